@@ -1,0 +1,272 @@
+"""GGUF reader over a read-only memory map.
+
+The file is untrusted input: every length, count and offset is checked against the bytes
+that are really there before anything is allocated or sliced, and every problem becomes a
+GGUFError that names it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastrun.formats import keys
+from fastrun.formats.errors import GGUFError
+from fastrun.quant.formats import BlockFormat, block_format
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+MAX_STRING = 1 << 30  # a single metadata string longer than 1 GiB is not a real file
+
+# Metadata value types: id -> (struct code, numpy dtype); 8 = string and 9 = array are special.
+_SCALARS = {
+    0: ("B", np.uint8),
+    1: ("b", np.int8),
+    2: ("H", np.uint16),
+    3: ("h", np.int16),
+    4: ("I", np.uint32),
+    5: ("i", np.int32),
+    6: ("f", np.float32),
+    7: ("?", np.bool_),
+    10: ("Q", np.uint64),
+    11: ("q", np.int64),
+    12: ("d", np.float64),
+}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor table. `shape` is GGUF order: fastest-varying dimension first."""
+
+    name: str
+    format: BlockFormat
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """(rows, row length): a GGUF [n_in, n_out, ...] tensor is a row-major [n_out*..., n_in] matrix."""
+        return self.n_elements // self.shape[0], self.shape[0]
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer."""
+
+    def __init__(self, buf, size: int):
+        self.buf, self.size, self.pos = buf, size, 0
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise GGUFError(
+                f"truncated file: {what} at byte {self.pos} runs past the end ({self.size})"
+            )
+
+    def scalar(self, code: str, what: str):
+        n = struct.calcsize("<" + code)
+        self.need(n, what)
+        (v,) = struct.unpack_from("<" + code, self.buf, self.pos)
+        self.pos += n
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.scalar("Q", what)
+        if n > MAX_STRING:
+            raise GGUFError(f"{what}: absurd string length {n}")
+        self.need(n, what)
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+
+class GGUFFile:
+    """A GGUF file opened read-only: metadata, tensor table and zero-copy tensor views.
+
+    Use as a context manager, or call close(). Views returned by `tensor_bytes` stay valid
+    while the file is open.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        try:
+            self._fh = open(self.path, "rb")
+        except FileNotFoundError:
+            raise GGUFError(f"no such file: {self.path}") from None
+        except IsADirectoryError:
+            raise GGUFError(f"{self.path} is a directory, not a GGUF file") from None
+        except OSError as e:
+            raise GGUFError(f"cannot open {self.path}: {e.strerror}") from None
+        self.size = os.fstat(self._fh.fileno()).st_size
+        if self.size < 24:
+            self._fh.close()
+            raise GGUFError(f"{self.path} is not a GGUF file (only {self.size} bytes)")
+        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self._mm, dtype=np.uint8)
+        try:
+            self._parse()
+        except GGUFError as e:
+            self.close()
+            raise GGUFError(f"{os.path.basename(self.path)}: {e}") from None
+        except (struct.error, ValueError, OverflowError, MemoryError) as e:
+            self.close()
+            raise GGUFError(f"{os.path.basename(self.path)}: malformed GGUF ({e})") from None
+
+    # -- parsing ---------------------------------------------------------------------------
+
+    def _parse(self) -> None:
+        cur = _Cursor(self._mm, self.size)
+        if self._mm[:4] != GGUF_MAGIC:
+            raise GGUFError("not a GGUF file (bad magic)")
+        cur.pos = 4
+        self.version = cur.scalar("I", "version")
+        if self.version not in SUPPORTED_VERSIONS:
+            raise GGUFError(f"unsupported GGUF version {self.version}")
+        n_tensors = cur.scalar("Q", "tensor count")
+        n_kv = cur.scalar("Q", "metadata count")
+        # Each metadata pair takes at least 12 bytes and each tensor info at least 28.
+        if n_kv * 12 > self.size or n_tensors * 28 > self.size:
+            raise GGUFError(f"absurd counts: {n_tensors} tensors, {n_kv} metadata pairs")
+
+        self.metadata: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = cur.string("metadata key")
+            vtype = cur.scalar("I", f"type of {key}")
+            if key in self.metadata:
+                raise GGUFError(f"duplicate metadata key {key!r}")
+            self.metadata[key] = self._value(cur, vtype, key)
+
+        alignment = self.metadata.get(keys.ALIGNMENT, DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"bad alignment {alignment!r}")
+
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string("tensor name")
+            n_dims = cur.scalar("I", f"dimension count of {name}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFError(f"tensor {name}: {n_dims} dimensions")
+            shape = tuple(cur.scalar("Q", f"shape of {name}") for _ in range(n_dims))
+            type_id = cur.scalar("I", f"type of {name}")
+            offset = cur.scalar("Q", f"offset of {name}")
+            infos.append((name, shape, type_id, offset))
+
+        data_start = -(-cur.pos // alignment) * alignment
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, shape, type_id, offset in infos:
+            if name in self.tensors:
+                raise GGUFError(f"duplicate tensor {name!r}")
+            if any(d <= 0 or d > 1 << 40 for d in shape):
+                raise GGUFError(f"tensor {name}: bad shape {list(shape)}")
+            try:
+                fmt = block_format(type_id)
+            except GGUFError:
+                raise GGUFError(f"tensor {name}: unknown tensor type {type_id}") from None
+            n_elements = 1
+            for d in shape:
+                n_elements *= d
+            if shape[0] % fmt.block_size:
+                raise GGUFError(
+                    f"tensor {name}: row of {shape[0]} is not a whole number of "
+                    f"{fmt.name} blocks ({fmt.block_size})"
+                )
+            n_bytes = n_elements // fmt.block_size * fmt.block_bytes
+            if offset % alignment:
+                raise GGUFError(f"tensor {name}: offset {offset} is not aligned to {alignment}")
+            start = data_start + offset
+            if start + n_bytes > self.size:
+                raise GGUFError(
+                    f"tensor {name}: data ({n_bytes} bytes at {start}) runs past the end of the "
+                    f"file ({self.size} bytes); the file is truncated"
+                )
+            self.tensors[name] = TensorInfo(name, fmt, shape, start, n_bytes)
+
+    def _value(self, cur: _Cursor, vtype: int, key: str):
+        if vtype in _SCALARS:
+            return cur.scalar(_SCALARS[vtype][0], key)
+        if vtype == _STRING:
+            return cur.string(key)
+        if vtype != _ARRAY:
+            raise GGUFError(f"metadata {key}: unknown value type {vtype}")
+        itype = cur.scalar("I", f"item type of {key}")
+        n = cur.scalar("Q", f"length of {key}")
+        if itype in _SCALARS:
+            dtype = np.dtype(_SCALARS[itype][1]).newbyteorder("<")
+            cur.need(n * dtype.itemsize, f"array {key} of {n} items")
+            arr = self._data[cur.pos : cur.pos + n * dtype.itemsize].view(dtype)
+            cur.pos += n * dtype.itemsize
+            return arr
+        if itype == _STRING:
+            cur.need(n * 8, f"array {key} of {n} strings")  # each string has an 8-byte length
+            return [cur.string(key) for _ in range(n)]
+        if itype == _ARRAY:
+            cur.need(n * 12, f"array {key} of {n} arrays")
+            return [self._value(cur, _ARRAY, key) for _ in range(n)]
+        raise GGUFError(f"metadata {key}: unknown array item type {itype}")
+
+    # -- access ----------------------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get(keys.ARCHITECTURE)
+        if not isinstance(arch, str):
+            raise GGUFError(f"{os.path.basename(self.path)}: no general.architecture")
+        return arch
+
+    def get(self, key: str, default=None):
+        """Metadata value; "{arch}" in the key is replaced by general.architecture."""
+        if "{arch}" in key:
+            key = key.format(arch=self.architecture)
+        return self.metadata.get(key, default)
+
+    def require(self, key: str):
+        """Metadata value that must be present."""
+        value = self.get(key)
+        if value is None:
+            raise GGUFError(
+                f"{os.path.basename(self.path)}: missing metadata {key.format(arch=self.get(keys.ARCHITECTURE))}"
+            )
+        return value
+
+    def tensor(self, name: str) -> TensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise GGUFError(f"{os.path.basename(self.path)}: missing tensor {name}")
+        return info
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """Zero-copy read-only uint8 view [rows, row_bytes] of a tensor's data."""
+        info = self.tensor(name)
+        rows, n = info.matrix_shape
+        return self._data[info.offset : info.offset + info.n_bytes].reshape(rows, -1)
+
+    def close(self) -> None:
+        self._data = None
+        if getattr(self, "_mm", None) is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # numpy views still alive: the map closes when they are collected
+            self._mm = None
+        if getattr(self, "_fh", None) is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""The runner: tokenizer, models, KV cache, sampling, generation, chat and the CLI."""

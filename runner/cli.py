@@ -1,0 +1,185 @@
+"""The `fastrun` command line: typer commands; user mistakes become one `fastrun: error:` line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from typing import Annotated
+
+import typer
+
+try:  # typer >= 0.26 vendors click as typer._click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_errors
+
+import fastrun
+from fastrun.formats import keys
+from fastrun.formats.errors import FastrunError
+from fastrun.runner.progress import DownloadProgress
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+app = typer.Typer(
+    name="fastrun",
+    help="Run GGUF language models fast, on the CPU or an NVIDIA GPU.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"fastrun {fastrun.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """Run GGUF language models fast, on the CPU or an NVIDIA GPU."""
+
+
+def resolve(model: str):
+    """A path or registry name to a file path, pulling a registry model with a progress bar."""
+    from fastrun.runner.registry import resolve_model
+
+    with DownloadProgress() as progress:
+        return resolve_model(model, progress=progress)
+
+
+# -- pull / info -------------------------------------------------------------------------------
+
+
+@app.command()
+def pull(
+    name: Annotated[str | None, typer.Argument(help="Registry name from models.toml.")] = None,
+    list_: Annotated[
+        bool, typer.Option("--list", help="Show known models and which are present.")
+    ] = False,
+) -> None:
+    """Download a model from the registry (models.toml), assemble it and check its sha256."""
+    from fastrun.runner.registry import is_present, load_registry, model_path, pull_model
+
+    registry = load_registry()
+    if list_ or name is None:
+        from rich.table import Table
+
+        table = Table("name", "file", "present", "description")
+        for entry in registry.values():
+            table.add_row(
+                entry.name, entry.file, "yes" if is_present(entry) else "no", entry.description
+            )
+        typer.echo(_render(table))
+        return
+    entry = registry.get(name)
+    if entry is None:
+        raise FastrunError(f"unknown model {name!r} (known: {', '.join(sorted(registry))})")
+    if is_present(entry):
+        typer.echo(f"{name}: already present at {model_path(entry)}")
+        return
+    with DownloadProgress() as progress:
+        path = pull_model(entry, progress=progress)
+    typer.echo(f"{name}: {path}")
+
+
+def _render(renderable) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=120, file=io.StringIO())
+    console.print(renderable)
+    return console.file.getvalue().rstrip()
+
+
+def model_info(path) -> dict:
+    """Summary of a GGUF file: what `fastrun info` prints."""
+    from fastrun.formats import GGUFFile
+
+    with GGUFFile(path) as f:
+        arch = f.architecture
+        tokens = f.get(keys.TOKENS) or []
+        return {
+            "file": str(path),
+            "name": f.get(keys.NAME),
+            "architecture": arch,
+            "parameters": sum(t.n_elements for t in f.tensors.values()),
+            "context_length": f.get(keys.CONTEXT_LENGTH),
+            "embedding_length": f.get(keys.EMBEDDING_LENGTH),
+            "layers": f.get(keys.BLOCK_COUNT),
+            "tensor_types": dict(Counter(t.format.name for t in f.tensors.values()).most_common()),
+            "tokenizer": f.get(keys.TOKENIZER_MODEL),
+            "tokenizer_pre": f.get(keys.TOKENIZER_PRE),
+            "vocab_size": len(tokens),
+            "chat_template": f.get(keys.CHAT_TEMPLATE) is not None,
+            "file_size": f.size,
+        }
+
+
+@app.command()
+def info(
+    model: Annotated[str, typer.Argument(help="GGUF path or registry name.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show a model's architecture, size, tensor types and tokenizer."""
+    data = model_info(resolve(model))
+    if as_json:
+        typer.echo(json.dumps(data))
+        return
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None)
+    for k, v in data.items():
+        if k == "parameters":
+            v = f"{v:,} ({v / 1e6:.1f} M)"
+        elif k == "tensor_types":
+            v = ", ".join(f"{t}: {n}" for t, n in v.items())
+        elif k == "file_size":
+            v = f"{v / 1e6:.1f} MB"
+        table.add_row(k, str(v))
+    typer.echo(_render(table))
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+def _load_commands() -> None:
+    """Import the modules that add the generation commands (kept out of --version's path)."""
+    import fastrun.runner.commands  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry: run the app, turning user mistakes into one line and exit code 2."""
+    _load_commands()
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=argv, prog_name="fastrun", standalone_mode=False)
+    except typer.Exit as e:
+        return e.exit_code
+    except click_errors.NoArgsIsHelpError as e:
+        print(e.ctx.get_help())
+        return 0
+    except click_errors.UsageError as e:
+        print(f"fastrun: error: {e.format_message()}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except FastrunError as e:
+        print(f"fastrun: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except (KeyboardInterrupt, typer.Abort):
+        print("", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

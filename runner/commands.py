@@ -1,0 +1,1 @@
+"""Generation commands of the CLI: run and chat."""
