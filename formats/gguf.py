@@ -60,7 +60,7 @@ class TensorInfo:
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
-        """(rows, row length): a GGUF [n_in, n_out, ...] tensor is a row-major [n_out*..., n_in] matrix."""
+        """(rows, row length): GGUF [n_in, n_out, ...] is a row-major [n_out * ..., n_in] matrix."""
         return self.n_elements // self.shape[0], self.shape[0]
 
 
@@ -91,6 +91,25 @@ class _Cursor:
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         return raw.decode("utf-8", errors="replace")
+
+
+_U64 = struct.Struct("<Q")
+
+
+def _read_strings(cur: _Cursor, n: int, key: str) -> list[str]:
+    """A string array: the hot loop of opening a file with a large vocabulary."""
+    buf, pos, size, unpack = cur.buf, cur.pos, cur.size, _U64.unpack_from
+    out = [""] * n
+    for k in range(n):
+        if pos + 8 > size:
+            raise GGUFError(f"truncated file: array {key} at byte {pos} runs past the end")
+        end = pos + 8 + unpack(buf, pos)[0]
+        if end > size:
+            raise GGUFError(f"truncated file: array {key} at byte {pos} runs past the end")
+        out[k] = buf[pos + 8 : end].decode("utf-8", "replace")
+        pos = end
+    cur.pos = pos
+    return out
 
 
 class GGUFFile:
@@ -211,7 +230,7 @@ class GGUFFile:
             return arr
         if itype == _STRING:
             cur.need(n * 8, f"array {key} of {n} strings")  # each string has an 8-byte length
-            return [cur.string(key) for _ in range(n)]
+            return _read_strings(cur, n, key)
         if itype == _ARRAY:
             cur.need(n * 12, f"array {key} of {n} arrays")
             return [self._value(cur, _ARRAY, key) for _ in range(n)]
@@ -236,9 +255,8 @@ class GGUFFile:
         """Metadata value that must be present."""
         value = self.get(key)
         if value is None:
-            raise GGUFError(
-                f"{os.path.basename(self.path)}: missing metadata {key.format(arch=self.get(keys.ARCHITECTURE))}"
-            )
+            name = key.format(arch=self.get(keys.ARCHITECTURE))
+            raise GGUFError(f"{os.path.basename(self.path)}: missing metadata {name}")
         return value
 
     def tensor(self, name: str) -> TensorInfo:

@@ -10,7 +10,7 @@ __all__ = ["BY_ID", "BY_NAME", "QK_K", "BlockFormat", "block_format", "dequantiz
 
 
 def dequantize(data: np.ndarray, qtype: str | int, n: int) -> np.ndarray:
-    """Dequantize the first n values of raw block data (uint8) to float32, with the Numba kernels."""
+    """Dequantize the first n values of raw block bytes (uint8) to float32 (Numba kernels)."""
     from fastrun.quant.fast import dequantize as fast_dequantize
 
     return fast_dequantize(data, qtype, n)
