@@ -6,6 +6,8 @@ exactly one compiled signature so the on-disk cache (cache=True) stays small.
 
 from __future__ import annotations
 
+import math
+
 import numba as nb
 import numpy as np
 
@@ -14,6 +16,9 @@ from fastrun.quant.formats import block_format
 
 _JIT = dict(nogil=True, cache=True, fastmath=False)
 
+# 2**(e - 25) for each 5-bit half exponent e; e = 0 (subnormal) uses 2**-24.
+_HALF_EXP = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 32)], np.float32)
+
 
 @nb.njit(inline="always", **_JIT)
 def f16_to_f32(lo, hi):
@@ -21,13 +26,25 @@ def f16_to_f32(lo, hi):
     h = np.int32(lo) | (np.int32(hi) << 8)
     e = (h >> 10) & 31
     m = h & 1023
-    if e == 0:
-        v = np.float32(m) * np.float32(5.9604645e-08)  # 2**-24
-    elif e == 31:
+    if e == 31:
         v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
     else:
-        v = np.float32(1024 + m) * np.float32(2.0 ** (e - 25))
+        v = np.float32(m + (1024 if e else 0)) * _HALF_EXP[e]
     return -v if h & 0x8000 else v
+
+
+@nb.njit(inline="always", **_JIT)
+def f16_round(x):
+    """x rounded to the nearest IEEE half (ties to even), returned as float32."""
+    ax = abs(x)
+    if ax == 0 or not np.isfinite(ax):
+        return np.float32(x)
+    _, e = math.frexp(ax)  # ax = m * 2**e, 0.5 <= m < 1
+    step = 2.0 ** (max(e - 11, -24))  # 10 mantissa bits; subnormal step below 2**-14
+    r = np.rint(ax / step) * step
+    if r > 65504.0:
+        r = np.inf
+    return np.float32(r if x > 0 else -r)
 
 
 @nb.njit(inline="always", **_JIT)

@@ -255,6 +255,27 @@ _QUANT = {
 }
 
 
+def quantize_activation_ref(x: np.ndarray, fmt: str) -> np.ndarray:
+    """Quantize an activation row as llama.cpp's x86 SIMD path does before a dot product.
+
+    For Q8_0/Q8_1 that differs from the weight quantizer above: the inverse scale is
+    127 / amax and values round half to even. Q8_K uses the reference everywhere.
+    """
+    if fmt == "Q8_K":
+        return quantize_ref(x, fmt)
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 32)
+    amax = np.abs(x).max(axis=1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(x * inv[:, None]).astype(np.int8)
+    d = (amax / np.float32(127)).astype(np.float32)
+    out = np.zeros(x.shape[0], BLOCK_DTYPES[fmt])
+    out["d"], out["qs"] = d, q
+    if fmt == "Q8_1":
+        out["s"] = d * q.astype(np.int32).sum(axis=1).astype(np.float32)
+    return out.view(np.uint8)
+
+
 def quantize_ref(x: np.ndarray, qtype: str | int) -> np.ndarray:
     """Quantize float values (length a whole number of blocks) to raw block bytes (uint8)."""
     fmt = block_format(qtype)

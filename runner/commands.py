@@ -1,1 +1,187 @@
-"""Generation commands of the CLI: run and chat."""
+"""Generation commands of the CLI: `run` (one-shot, for scripts) and `chat` (interactive)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from fastrun.formats.errors import FastrunError
+from fastrun.runner.cli import app, resolve
+from fastrun.runner.progress import stderr_console
+
+# Options shared by run and chat, declared once.
+MaxTokens = Annotated[int, typer.Option("-n", "--max-tokens", min=1, help="Most tokens to generate.")]
+Temperature = Annotated[float, typer.Option("--temp", "--temperature", min=0.0, help="0 = greedy.")]
+TopK = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely (0 = off).")]
+TopP = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus mass (1 = off).")]
+MinP = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop below min-p x best.")]
+RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", min=0.0, help="1 = off.")]
+PresencePenalty = Annotated[float, typer.Option("--presence-penalty")]
+FrequencyPenalty = Annotated[float, typer.Option("--frequency-penalty")]
+Seed = Annotated[int | None, typer.Option("--seed", help="Same seed, same output.")]
+Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
+CtxSize = Annotated[int | None, typer.Option("-c", "--ctx-size", min=2, help="Context length.")]
+Threads = Annotated[int | None, typer.Option("-t", "--threads", min=1, help="CPU threads.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="cpu, cuda or auto.")]
+System = Annotated[str | None, typer.Option("--system", help="System message (chat template).")]
+
+
+def load_model(model: str, backend: str, ctx_size: int | None, threads: int | None):
+    from fastrun.backends.cpu.backend import kernels_cached
+    from fastrun.runner.api import Model
+
+    path = resolve(model)
+    if backend in ("cpu", "auto") and not kernels_cached():
+        stderr_console.print("[dim]fastrun: compiling CPU kernels (first run only)...[/dim]")
+    return Model(path, backend=backend, n_ctx=ctx_size, threads=threads)
+
+
+def sampling(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence, frequency, seed, stop):
+    return dict(
+        max_tokens=max_tokens, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, presence_penalty=presence, frequency_penalty=frequency,
+        seed=seed, stop=tuple(stop or ()),
+    )  # fmt: skip
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Argument(help="GGUF path or registry name.")],
+    prompt: Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.")],
+    max_tokens: MaxTokens = 256,
+    temp: Temperature = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    repeat_penalty: RepeatPenalty = 1.0,
+    presence_penalty: PresencePenalty = 0.0,
+    frequency_penalty: FrequencyPenalty = 0.0,
+    seed: Seed = None,
+    stop: Stop = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")] = False,
+    system: System = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
+    ctx_size: CtxSize = None,
+    threads: Threads = None,
+    backend: BackendOpt = "cpu",
+) -> None:
+    """Generate a continuation of PROMPT; the text alone goes to stdout."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    m = load_model(model, backend, ctx_size, threads)
+    settings = sampling(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence_penalty,
+                        frequency_penalty, seed, stop)  # fmt: skip
+    if chat or system:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        pieces = m.chat(messages, **settings)
+    else:
+        pieces = m.generate(prompt, **settings)
+    for piece in pieces:
+        if not as_json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    done = m.last
+    if as_json:
+        result = {
+            "text": done.text,
+            "tokens": done.tokens,
+            "prompt_tokens": done.prompt_tokens,
+            "finish_reason": done.finish_reason,
+            "timings": {
+                "prefill_tokens_per_second": round(done.prefill_tps, 2),
+                "decode_tokens_per_second": round(done.decode_tps, 2),
+                "prefill_seconds": round(done.prefill_seconds, 4),
+                "decode_seconds": round(done.decode_seconds, 4),
+            },
+        }
+        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
+    elif done.text and not done.text.endswith("\n"):
+        sys.stdout.write("\n")
+
+
+CHAT_HELP = "/reset clears the conversation, /system TEXT sets the system message, /stats, /exit"
+
+
+@app.command("chat")
+def chat_command(
+    model: Annotated[str, typer.Argument(help="GGUF path or registry name.")],
+    system: System = None,
+    max_tokens: MaxTokens = 1024,
+    temp: Temperature = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    repeat_penalty: RepeatPenalty = 1.0,
+    presence_penalty: PresencePenalty = 0.0,
+    frequency_penalty: FrequencyPenalty = 0.0,
+    seed: Seed = None,
+    stop: Stop = None,
+    ctx_size: CtxSize = None,
+    threads: Threads = None,
+    backend: BackendOpt = "cpu",
+) -> None:
+    """Chat in the terminal with the model's own template. Ctrl-C stops a reply, Ctrl-D exits."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    m = load_model(model, backend, ctx_size, threads)
+    settings = sampling(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence_penalty,
+                        frequency_penalty, seed, stop)  # fmt: skip
+    messages = [{"role": "system", "content": system}] if system else []
+    console.print(f"[bold]fastrun chat[/bold] · {model} · [dim]{CHAT_HELP}; Ctrl-D exits[/dim]")
+    while True:
+        try:
+            line = console.input("[bold green]>>> [/bold green]")
+        except EOFError:
+            console.print()
+            return
+        except KeyboardInterrupt:
+            console.print("\n[dim](Ctrl-D or /exit quits)[/dim]")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            command, _, arg = text.partition(" ")
+            if command in ("/exit", "/quit", "/bye"):
+                return
+            if command == "/reset":
+                messages = [m_ for m_ in messages if m_["role"] == "system"]
+                console.print("[dim]conversation cleared[/dim]")
+            elif command == "/system":
+                messages = [{"role": "system", "content": arg}] + [
+                    m_ for m_ in messages if m_["role"] != "system"
+                ]
+                console.print("[dim]system message set[/dim]")
+            elif command == "/stats":
+                _print_stats(console, m)
+            else:
+                console.print(f"[dim]unknown command {command}; {CHAT_HELP}[/dim]")
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            for piece in m.chat(messages, **settings):
+                console.out(piece, end="", highlight=False)
+                console.file.flush()
+        except KeyboardInterrupt:
+            console.print("\n[dim][stopped][/dim]", end="")
+        except FastrunError as e:
+            messages.pop()
+            console.print(f"[red]fastrun: error: {e}[/red]")
+            continue
+        console.print()
+        messages.append({"role": "assistant", "content": m.last.text})
+
+
+def _print_stats(console, m) -> None:
+    done = m.last
+    console.print(
+        f"[dim]prompt {done.prompt_tokens} tokens ({done.prefilled_tokens} run, the rest cached) "
+        f"at {done.prefill_tps:.1f} tok/s · reply {len(done.tokens)} tokens at "
+        f"{done.decode_tps:.1f} tok/s · context {m.cache.length}/{m.n_ctx}[/dim]"
+    )

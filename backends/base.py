@@ -1,0 +1,98 @@
+"""The Backend contract: the only operations model code may call.
+
+Arrays are the backend's own (NumPy on the CPU, CuPy on the GPU). Shapes use these names:
+n = tokens in the batch, d = model width, h / hk = query / key-value heads, hd = head size,
+c = cache slots. Every operation has a case in tests/test_parity.py, which checks each
+backend against the NumPy reference backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding settings of a model."""
+
+    n_dims: int  # rotated dimensions of each head (<= hd)
+    freq_base: float = 10000.0
+    freq_scale: float = 1.0  # linear scaling: positions are multiplied by this
+    neox: bool = False  # False: rotate pairs (2i, 2i+1) (llama); True: halves (i, i + n_dims/2)
+    freq_factors: np.ndarray | None = None  # [n_dims/2] divisors of each frequency (llama 3)
+
+
+class Weight:
+    """A weight matrix [n_out, n_in] as a backend holds it (type-specific layout)."""
+
+    qtype: str
+    n_out: int
+    n_in: int
+
+
+class Backend(ABC):
+    """Operations on backend arrays. `x` arrays are float32 unless stated."""
+
+    name: str = "abstract"
+
+    # -- data movement ----------------------------------------------------------------------
+
+    @abstractmethod
+    def load_weight(self, raw: np.ndarray, qtype: str, n_out: int, n_in: int) -> Weight:
+        """Take raw GGUF block bytes [n_out, row_bytes] (may be a memory map) as a weight."""
+
+    @abstractmethod
+    def load_vector(self, x: np.ndarray):
+        """A float32 vector (norm weight, bias) onto the backend."""
+
+    @abstractmethod
+    def zeros(self, shape: tuple[int, ...]):
+        """A float32 array of zeros on the backend (KV cache storage)."""
+
+    @abstractmethod
+    def to_host(self, x) -> np.ndarray:
+        """Copy a backend array to a NumPy array."""
+
+    # -- math -------------------------------------------------------------------------------
+
+    @abstractmethod
+    def matmul(self, x, w: Weight):
+        """x [n, n_in] @ w.T -> [n, n_out], with the activation quantized as llama.cpp pairs it."""
+
+    @abstractmethod
+    def embed(self, w: Weight, ids: np.ndarray):
+        """Rows `ids` (int32 [n]) of an embedding matrix, dequantized: [n, n_in]."""
+
+    @abstractmethod
+    def rms_norm(self, x, weight, eps: float):
+        """x [n, d] / rms(x) * weight [d] -> [n, d]."""
+
+    @abstractmethod
+    def rope(self, x, positions: np.ndarray, rope: RopeConfig):
+        """Rotate x [n, heads, hd] in place by the positions (int32 [n]); returns x."""
+
+    @abstractmethod
+    def silu_mul(self, gate, up):
+        """silu(gate) * up, both [n, f] -> [n, f]."""
+
+    @abstractmethod
+    def add(self, x, y):
+        """x + y, written into x; returns x."""
+
+    @abstractmethod
+    def add_bias(self, x, bias):
+        """x [n, m] + bias [m], written into x; returns x."""
+
+    # -- attention --------------------------------------------------------------------------
+
+    @abstractmethod
+    def kv_write(self, k_cache, v_cache, k, v, slots: np.ndarray) -> None:
+        """Store k, v [n, hk, hd] at cache slots (int32 [n]) of k_cache, v_cache [c, hk, hd]."""
+
+    @abstractmethod
+    def attention(self, q, k_cache, v_cache, positions: np.ndarray, scale: float):
+        """Causal attention: query i [h, hd] of q [n, h, hd] attends to cache slots
+        0..positions[i]; heads share kv heads in groups of h // hk. Returns [n, h * hd]."""

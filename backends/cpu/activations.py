@@ -1,0 +1,83 @@
+"""Activation quantization before an integer dot product, as llama.cpp pairs formats.
+
+Q8_0 (for Q4_0, Q5_0, Q8_0 weights), Q8_1 (Q4_1, Q5_1: also the block sum) and Q8_K (the
+K-quants: 256-value blocks with 16-value partial sums). Scales are rounded through fp16 where
+llama.cpp stores them as fp16, and Q8_0/Q8_1 round as its x86 SIMD path does (inverse scale
+127/amax, ties to even), so results match quant.reference.quantize_activation_ref.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from fastrun.quant.fast import f16_round
+
+_JIT = dict(nogil=True, cache=True, fastmath=False)
+
+
+@nb.njit(parallel=True, **_JIT)
+def quantize_q8_0(x, xq, xd, xs):
+    """x [n, k] -> xq int8 [n, k], xd [n, k/32] scales, xs [n, k/32] scaled block sums (Q8_1)."""
+    n, k = x.shape
+    for t in nb.prange(n):
+        for b in range(k // 32):
+            amax = np.float32(0)
+            for j in range(32):
+                amax = max(amax, abs(x[t, b * 32 + j]))
+            d = amax / np.float32(127)
+            inv = np.float32(127) / amax if amax != 0 else np.float32(0)
+            total = 0
+            for j in range(32):
+                q = np.int32(np.rint(x[t, b * 32 + j] * inv))
+                xq[t, b * 32 + j] = q
+                total += q
+            xd[t, b] = f16_round(d)
+            xs[t, b] = f16_round(np.float32(total) * d)
+
+
+@nb.njit(parallel=True, **_JIT)
+def quantize_q8_k(x, xq, xd, bsums):
+    """x [n, k] -> xq int8 [n, k], xd [n, k/256], bsums int32 [n, k/16]."""
+    n, k = x.shape
+    for t in nb.prange(n):
+        for b in range(k // 256):
+            amax = np.float32(0)
+            signed_max = np.float32(0)
+            for j in range(256):
+                v = x[t, b * 256 + j]
+                if abs(v) > amax:
+                    amax = abs(v)
+                    signed_max = v
+            if amax == 0:
+                xd[t, b] = 0
+                for j in range(256):
+                    xq[t, b * 256 + j] = 0
+                for g in range(16):
+                    bsums[t, b * 16 + g] = 0
+                continue
+            iscale = np.float32(-127) / signed_max
+            for g in range(16):
+                total = 0
+                for j in range(16):
+                    i = b * 256 + g * 16 + j
+                    q = min(127, np.int32(np.rint(iscale * x[t, i])))
+                    xq[t, i] = q
+                    total += q
+                bsums[t, b * 16 + g] = total
+            xd[t, b] = np.float32(1) / iscale
+
+
+def quantize_rows(x: np.ndarray, fmt: str):
+    """Quantize activation rows x [n, k] float32 into the arrays the dot kernels take."""
+    n, k = x.shape
+    xq = np.empty((n, k), np.int8)
+    if fmt == "Q8_K":
+        xd = np.empty((n, k // 256), np.float32)
+        bsums = np.empty((n, k // 16), np.int32)
+        quantize_q8_k(x, xq, xd, bsums)
+        return xq, xd, bsums
+    xd = np.empty((n, k // 32), np.float32)
+    xs = np.empty((n, k // 32), np.float32)
+    quantize_q8_0(x, xq, xd, xs)
+    return xq, xd, xs

@@ -1,0 +1,157 @@
+"""CPUBackend: the Backend contract on Numba kernels over memory-mapped weights."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fastrun.backends.base import Backend, RopeConfig, Weight
+from fastrun.backends.cpu import activations, matmul, ops
+from fastrun.formats.errors import FastrunError
+from fastrun.quant import dequantize
+from fastrun.quant.formats import block_format
+
+_NO_FACTORS = np.zeros(0, np.float32)
+
+
+class CPUWeight(Weight):
+    """Raw GGUF rows [n_out, row_bytes] (read-only, usually the memory map itself)."""
+
+    def __init__(self, raw: np.ndarray, qtype: str, n_out: int, n_in: int):
+        self.qtype, self.n_out, self.n_in = qtype, n_out, n_in
+        self.format = block_format(qtype)
+        if raw.shape != (n_out, self.format.row_bytes(n_in)):
+            raise FastrunError(f"{qtype} weight: bytes {raw.shape} do not fit [{n_out}, {n_in}]")
+        self.raw = raw
+        if qtype in ("F32", "F16", "BF16"):  # float weights: one float32 matrix
+            self.dense = dequantize(raw, qtype, n_out * n_in).reshape(n_out, n_in)
+        elif qtype not in _KERNELS:
+            raise FastrunError(f"the CPU backend has no matmul for {qtype} weights")
+
+
+def _int_kernel(kernel):
+    def run(w, x):
+        xq, xd, xs = activations.quantize_rows(x, w.format.activation)
+        out = np.empty((x.shape[0], w.n_out), np.float32)
+        kernel(w.raw, xq, xd, xs, out)
+        return out
+
+    return run
+
+
+def _k_kernel(block_bytes, fifth_bit):
+    def run(w, x):
+        xq, xd, bsums = activations.quantize_rows(x, "Q8_K")
+        out = np.empty((x.shape[0], w.n_out), np.float32)
+        matmul.matmul_q45_k(w.raw, xq, xd, bsums, out, block_bytes, fifth_bit)
+        return out
+
+    return run
+
+
+def _q6_k(w, x):
+    xq, xd, bsums = activations.quantize_rows(x, "Q8_K")
+    out = np.empty((x.shape[0], w.n_out), np.float32)
+    matmul.matmul_q6_k(w.raw, xq, xd, bsums, out)
+    return out
+
+
+_KERNELS = {
+    "Q4_0": _int_kernel(matmul.matmul_q4_0),
+    "Q4_1": _int_kernel(matmul.matmul_q4_1),
+    "Q5_0": _int_kernel(matmul.matmul_q5_0),
+    "Q8_0": _int_kernel(matmul.matmul_q8_0),
+    "Q4_K": _k_kernel(144, False),
+    "Q5_K": _k_kernel(176, True),
+    "Q6_K": _q6_k,
+}
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        import numba
+
+        if threads:
+            numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+
+    def load_weight(self, raw, qtype, n_out, n_in):
+        raw = np.asarray(raw).view()
+        raw.flags.writeable = False  # one compiled signature: read-only weight bytes
+        return CPUWeight(raw, qtype, n_out, n_in)
+
+    def load_vector(self, x):
+        return np.ascontiguousarray(x, np.float32).copy()
+
+    def zeros(self, shape):
+        return np.zeros(shape, np.float32)
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+    def matmul(self, x, w):
+        x = np.ascontiguousarray(x, np.float32)
+        if w.qtype in ("F32", "F16", "BF16"):
+            if w.qtype == "F16":  # llama.cpp rounds the activation to fp16 for fp16 weights
+                x = x.astype(np.float16).astype(np.float32)
+            out = np.empty((x.shape[0], w.n_out), np.float32)
+            matmul.matmul_f32(w.dense, x, out)
+            return out
+        return _KERNELS[w.qtype](w, x)
+
+    def embed(self, w, ids):
+        rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])
+        return dequantize(rows, w.qtype, rows.shape[0] * w.n_in).reshape(-1, w.n_in)
+
+    def rms_norm(self, x, weight, eps):
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.empty_like(x)
+        ops.rms_norm(x, weight, float(eps), out)
+        return out
+
+    def rope(self, x, positions, rope: RopeConfig):
+        factors = _NO_FACTORS if rope.freq_factors is None else rope.freq_factors
+        ops.rope(
+            x,
+            np.ascontiguousarray(positions, np.int32),
+            rope.n_dims,
+            float(rope.freq_base),
+            float(rope.freq_scale),
+            rope.neox,
+            np.ascontiguousarray(factors, np.float32),
+        )
+        return x
+
+    def silu_mul(self, gate, up):
+        out = np.empty_like(gate)
+        ops.silu_mul(gate, up, out)
+        return out
+
+    def add(self, x, y):
+        np.add(x, y, out=x)
+        return x
+
+    def add_bias(self, x, bias):
+        np.add(x, bias, out=x)
+        return x
+
+    def kv_write(self, k_cache, v_cache, k, v, slots):
+        k_cache[slots] = k.astype(np.float16)  # the cache holds fp16 values, as llama.cpp's
+        v_cache[slots] = v.astype(np.float16)
+
+    def attention(self, q, k_cache, v_cache, positions, scale):
+        n, h, hd = q.shape
+        out = np.empty((n, h, hd), np.float32)
+        ops.attention(
+            np.ascontiguousarray(q), k_cache, v_cache, np.ascontiguousarray(positions, np.int32),
+            np.float32(scale), out,
+        )
+        return out.reshape(n, h * hd)
+
+
+def kernels_cached() -> bool:
+    """True when Numba's on-disk cache already holds compiled CPU kernels."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent / "__pycache__"
+    return any(folder.glob("matmul.*.nbi"))

@@ -1,0 +1,100 @@
+"""Element-wise, normalization, rotary and attention kernels of the CPU backend."""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+
+from fastrun.quant.fast import f16_round
+
+_JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
+
+
+@nb.njit(parallel=True, **_JIT)
+def rms_norm(x, weight, eps, out):
+    """out [n, d] = x / sqrt(mean(x^2) + eps) * weight; the sum of squares in float64."""
+    n, d = x.shape
+    for t in nb.prange(n):
+        ss = 0.0
+        for i in range(d):
+            ss += np.float64(x[t, i]) * np.float64(x[t, i])
+        scale = np.float32(1.0 / math.sqrt(ss / d + eps))
+        for i in range(d):
+            out[t, i] = (x[t, i] * scale) * weight[i]
+
+
+@nb.njit(parallel=True, **_JIT)
+def rope(x, positions, n_dims, freq_base, freq_scale, neox, freq_factors):
+    """Rotate x [n, heads, hd] in place; theta = pos * base^(-2i/n_dims) as llama.cpp's float32
+    recurrence computes it; freq_factors [n_dims/2] divides theta when non-empty."""
+    n, heads, _ = x.shape
+    half = n_dims // 2
+    theta_scale = np.float32(freq_base) ** np.float32(-2.0 / n_dims)
+    for t in nb.prange(n):
+        cos = np.empty(half, np.float32)
+        sin = np.empty(half, np.float32)
+        power = np.float32(1)
+        for i in range(half):
+            theta = np.float32(positions[t]) * power
+            if freq_factors.size:
+                theta = theta / freq_factors[i]
+            theta = theta * np.float32(freq_scale)
+            cos[i] = math.cos(theta)
+            sin[i] = math.sin(theta)
+            power = power * theta_scale
+        for h in range(heads):
+            for i in range(half):
+                a_at, b_at = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                a = x[t, h, a_at]
+                b = x[t, h, b_at]
+                x[t, h, a_at] = a * cos[i] - b * sin[i]
+                x[t, h, b_at] = a * sin[i] + b * cos[i]
+
+
+@nb.njit(parallel=True, **_JIT)
+def silu_mul(gate, up, out):
+    n, f = gate.shape
+    for t in nb.prange(n):
+        for i in range(f):
+            g = gate[t, i]
+            out[t, i] = g / (np.float32(1) + np.exp(-g)) * up[t, i]
+
+
+@nb.njit(parallel=True, **_JIT)
+def attention(q, k_cache, v_cache, positions, scale, out):
+    """Causal attention over the cache, one (token, head) pair per task, online softmax.
+
+    q [n, h, hd], k_cache/v_cache [c, hk, hd], positions int32 [n], out [n, h, hd]. Memory is
+    O(hd) per task: no n x n score matrix, whatever the prompt length.
+    """
+    n, h, hd = q.shape
+    group = h // k_cache.shape[1]
+    for task in nb.prange(n * h):
+        t = task // h
+        j = task % h
+        kv = j // group
+        qf = np.empty(hd, np.float32)
+        for i in range(hd):
+            qf[i] = f16_round(q[t, j, i])  # llama.cpp multiplies fp16 K by fp16 Q
+        acc = np.zeros(hd, np.float32)
+        m = -np.inf
+        total = np.float32(0)
+        for s in range(positions[t] + 1):
+            dot = np.float32(0)
+            for i in range(hd):
+                dot += qf[i] * k_cache[s, kv, i]
+            score = dot * scale
+            if score > m:
+                rescale = np.float32(np.exp(m - score))
+                total *= rescale
+                for i in range(hd):
+                    acc[i] *= rescale
+                m = score
+            p = np.float32(np.exp(score - m))
+            total += p
+            for i in range(hd):
+                acc[i] += p * v_cache[s, kv, i]
+        for i in range(hd):
+            out[t, j, i] = acc[i] / total

@@ -1,0 +1,141 @@
+"""The NumPy reference backend: plain, slow and obviously right; the spec for the others.
+
+It follows llama.cpp's CPU numerics where they change results: activations are quantized to
+the weight type's partner format before a matmul, the KV cache holds fp16 values, and
+queries are rounded to fp16 before the dot products with keys.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fastrun.backends.base import Backend, RopeConfig, Weight
+from fastrun.quant.formats import block_format
+from fastrun.quant.reference import BLOCK_DTYPES, dequantize_ref, quantize_activation_ref
+
+
+def fp16_round(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def quantize_activation(x: np.ndarray, qtype: str) -> np.ndarray:
+    """x [n, k] as the weight type's dot product sees it: through its activation format."""
+    act = block_format(qtype).activation
+    if act == "F32":
+        return np.asarray(x, np.float32)
+    if act == "F16":
+        return fp16_round(x)
+    if act == "BF16":
+        bits = np.asarray(x, np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return rounded.view(np.float32)
+    n, k = x.shape
+    q = quantize_activation_ref(x, act)
+    return dequantize_ref(q, act, n * k).reshape(n, k)
+
+
+def rope_angles(positions: np.ndarray, rope: RopeConfig) -> np.ndarray:
+    """theta [n, n_dims/2] as llama.cpp computes it: pos * base^(-2i/n_dims), in float32."""
+    half = rope.n_dims // 2
+    theta_scale = np.float32(rope.freq_base) ** np.float32(-2.0 / rope.n_dims)
+    # llama.cpp multiplies theta by theta_scale once per pair, in float32
+    powers = np.ones(half, np.float32)
+    for i in range(1, half):
+        powers[i] = powers[i - 1] * theta_scale
+    theta = positions.astype(np.float32)[:, None] * powers[None, :]
+    if rope.freq_factors is not None:
+        theta = theta / rope.freq_factors.astype(np.float32)[None, :]
+    return (theta * np.float32(rope.freq_scale)).astype(np.float32)
+
+
+class RefWeight(Weight):
+    def __init__(self, raw: np.ndarray, qtype: str, n_out: int, n_in: int):
+        self.qtype, self.n_out, self.n_in = qtype, n_out, n_in
+        self.raw = raw
+        self.dense = dequantize_ref(raw, qtype, n_out * n_in).reshape(n_out, n_in)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def load_weight(self, raw, qtype, n_out, n_in):
+        return RefWeight(np.asarray(raw), qtype, n_out, n_in)
+
+    def load_vector(self, x):
+        return np.asarray(x, np.float32).copy()
+
+    def zeros(self, shape):
+        return np.zeros(shape, np.float32)
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+    def matmul(self, x, w):
+        x = np.asarray(x, np.float32)
+        if block_format(w.qtype).activation == "Q8_1":
+            return self._matmul_q8_1(x, w)
+        xa = quantize_activation(x, w.qtype)
+        return (xa.astype(np.float64) @ w.dense.T.astype(np.float64)).astype(np.float32)
+
+    def _matmul_q8_1(self, x, w):
+        """Q4_1/Q5_1: the min term multiplies the activation's stored block sum s, an fp16
+        rounding of d * sum(q), not the sum of the dequantized values."""
+        n, k = x.shape
+        mins = w.raw.reshape(-1).view(BLOCK_DTYPES[w.qtype])["m"].astype(np.float32)
+        mins = mins.reshape(w.n_out, k // 32)
+        scaled = (w.dense - np.repeat(mins, 32, axis=1)).astype(np.float64)
+        xq = quantize_activation_ref(x, "Q8_1")
+        s = xq.view(BLOCK_DTYPES["Q8_1"])["s"].astype(np.float64).reshape(n, k // 32)
+        xa = dequantize_ref(xq, "Q8_1", n * k).reshape(n, k).astype(np.float64)
+        return (xa @ scaled.T + s @ mins.T.astype(np.float64)).astype(np.float32)
+
+    def embed(self, w, ids):
+        return w.dense[np.asarray(ids)].copy()
+
+    def rms_norm(self, x, weight, eps):
+        x = np.asarray(x, np.float32)
+        ms = (x.astype(np.float64) ** 2).mean(axis=1, keepdims=True)
+        return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * weight
+
+    def rope(self, x, positions, rope):
+        theta = rope_angles(np.asarray(positions), rope)  # [n, half]
+        cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+        half = rope.n_dims // 2
+        if rope.neox:
+            a, b = x[:, :, :half].copy(), x[:, :, half : rope.n_dims].copy()
+            x[:, :, :half] = a * cos - b * sin
+            x[:, :, half : rope.n_dims] = a * sin + b * cos
+        else:
+            a, b = x[:, :, 0 : rope.n_dims : 2].copy(), x[:, :, 1 : rope.n_dims : 2].copy()
+            x[:, :, 0 : rope.n_dims : 2] = a * cos - b * sin
+            x[:, :, 1 : rope.n_dims : 2] = a * sin + b * cos
+        return x
+
+    def silu_mul(self, gate, up):
+        return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+
+    def add(self, x, y):
+        x += y
+        return x
+
+    def add_bias(self, x, bias):
+        x += bias[None, :]
+        return x
+
+    def kv_write(self, k_cache, v_cache, k, v, slots):
+        k_cache[slots] = fp16_round(k)
+        v_cache[slots] = fp16_round(v)
+
+    def attention(self, q, k_cache, v_cache, positions, scale):
+        n, h, hd = q.shape
+        group = h // k_cache.shape[1]
+        qh = fp16_round(q)
+        out = np.zeros((n, h, hd), np.float32)
+        for i in range(n):
+            length = int(positions[i]) + 1
+            for j in range(h):
+                k = k_cache[:length, j // group].astype(np.float64)
+                s = k @ qh[i, j].astype(np.float64) * scale
+                p = np.exp(s - s.max())
+                out[i, j] = (p @ v_cache[:length, j // group].astype(np.float64)) / p.sum()
+        return out.reshape(n, h * hd)

@@ -1,0 +1,193 @@
+"""The decoder-only transformer shared by the llama-family architectures.
+
+An architecture file supplies a config class (how to read its GGUF metadata, which RoPE
+layout it uses); weights and the forward pass live here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastrun.backends.base import Backend, RopeConfig
+from fastrun.formats import keys
+from fastrun.formats.errors import FastrunError
+from fastrun.formats.gguf import GGUFFile
+from fastrun.runner.kv_cache import KVCache
+
+PREFILL_CHUNK = 512  # tokens per forward pass when prefilling a long prompt
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters read from GGUF metadata."""
+
+    arch: str
+    n_vocab: int
+    n_embd: int  # d
+    n_layer: int
+    n_head: int  # h
+    n_head_kv: int  # hk
+    head_dim: int  # hd
+    n_ff: int  # f
+    n_ctx_train: int
+    rms_eps: float
+    rope: RopeConfig
+
+    neox_rope = False  # the RoPE pair layout; an architecture class overrides it
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> TransformerConfig:
+        n_embd = int(f.require(keys.EMBEDDING_LENGTH))
+        n_head = int(f.require(keys.HEAD_COUNT))
+        head_dim = int(f.get(keys.KEY_LENGTH) or n_embd // n_head)
+        n_vocab = len(f.get(keys.TOKENS) or []) or int(f.require(keys.VOCAB_SIZE))
+        scale = 1.0
+        if f.get(keys.ROPE_SCALING_TYPE) == "linear" and f.get(keys.ROPE_SCALING_FACTOR):
+            scale = 1.0 / float(f.get(keys.ROPE_SCALING_FACTOR))
+        elif f.get(keys.ROPE_SCALE_LINEAR):
+            scale = 1.0 / float(f.get(keys.ROPE_SCALE_LINEAR))
+        factors = None
+        if keys.ROPE_FREQS in f.tensors:  # llama 3 long-context frequency divisors
+            info = f.tensor(keys.ROPE_FREQS)
+            factors = np.frombuffer(f.tensor_bytes(keys.ROPE_FREQS).tobytes(), np.float32)
+            if info.format.name != "F32":
+                raise FastrunError(f"rope_freqs.weight is {info.format.name}, expected F32")
+        rope = RopeConfig(
+            n_dims=int(f.get(keys.ROPE_DIMENSION_COUNT) or head_dim),
+            freq_base=float(f.get(keys.ROPE_FREQ_BASE) or 10000.0),
+            freq_scale=scale,
+            neox=cls.neox_rope,
+            freq_factors=factors,
+        )
+        return cls(
+            arch=f.architecture,
+            n_vocab=n_vocab,
+            n_embd=n_embd,
+            n_layer=int(f.require(keys.BLOCK_COUNT)),
+            n_head=n_head,
+            n_head_kv=int(f.get(keys.HEAD_COUNT_KV) or n_head),
+            head_dim=head_dim,
+            n_ff=int(f.require(keys.FEED_FORWARD_LENGTH)),
+            n_ctx_train=int(f.get(keys.CONTEXT_LENGTH) or 2048),
+            rms_eps=float(f.get(keys.RMS_EPS) or 1e-5),
+            rope=rope,
+        )
+
+
+class Layer:
+    """Weights of one transformer block (backend handles)."""
+
+    def __init__(self, load, vector, i: int, c: TransformerConfig):
+        d, kv = c.n_embd, c.n_head_kv * c.head_dim
+        self.attn_norm = vector(keys.ATTN_NORM.format(i=i))  # [d]
+        self.wq = load(keys.ATTN_Q.format(i=i), c.n_head * c.head_dim, d)  # [h*hd, d]
+        self.wk = load(keys.ATTN_K.format(i=i), kv, d)  # [hk*hd, d]
+        self.wv = load(keys.ATTN_V.format(i=i), kv, d)  # [hk*hd, d]
+        self.bq = vector(keys.ATTN_Q_BIAS.format(i=i), optional=True)  # [h*hd] (qwen2)
+        self.bk = vector(keys.ATTN_K_BIAS.format(i=i), optional=True)  # [hk*hd]
+        self.bv = vector(keys.ATTN_V_BIAS.format(i=i), optional=True)  # [hk*hd]
+        self.wo = load(keys.ATTN_OUTPUT.format(i=i), d, c.n_head * c.head_dim)  # [d, h*hd]
+        self.ffn_norm = vector(keys.FFN_NORM.format(i=i))  # [d]
+        self.w_gate = load(keys.FFN_GATE.format(i=i), c.n_ff, d)  # [f, d]
+        self.w_up = load(keys.FFN_UP.format(i=i), c.n_ff, d)  # [f, d]
+        self.w_down = load(keys.FFN_DOWN.format(i=i), d, c.n_ff)  # [d, f]
+
+
+class Transformer:
+    """Weights plus the forward pass over a batch of tokens of one sequence."""
+
+    config_class = TransformerConfig
+
+    def __init__(self, f: GGUFFile, backend: Backend, progress=None):
+        self.file = f  # keeps the memory map (and the weights' views) alive
+        self.backend = backend
+        self.config = c = self.config_class.from_gguf(f)
+
+        def load(name: str, n_out: int, n_in: int):
+            info = f.tensor(name)
+            rows, cols = info.matrix_shape
+            if (rows, cols) != (n_out, n_in):
+                raise FastrunError(f"{name}: shape {list(info.shape)}, expected [{n_in}, {n_out}]")
+            if progress:
+                progress(info.n_bytes)
+            return backend.load_weight(f.tensor_bytes(name), info.format.name, n_out, n_in)
+
+        def vector(name: str, optional: bool = False):
+            if optional and name not in f.tensors:
+                return None
+            info = f.tensor(name)
+            from fastrun.quant import dequantize
+
+            return backend.load_vector(dequantize(f.tensor_bytes(name), info.format.name, info.n_elements))
+
+        self.token_embd = load(keys.TOKEN_EMBD, c.n_vocab, c.n_embd)  # [vocab, d]
+        self.layers = [Layer(load, vector, i, c) for i in range(c.n_layer)]
+        self.output_norm = vector(keys.OUTPUT_NORM)  # [d]
+        tied = keys.OUTPUT not in f.tensors
+        self.output = self.token_embd if tied else load(keys.OUTPUT, c.n_vocab, c.n_embd)
+        self.attn_scale = 1.0 / float(np.sqrt(c.head_dim))
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        c = self.config
+        return KVCache(self.backend, c.n_layer, n_ctx, c.n_head_kv, c.head_dim)
+
+    def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run new tokens through the model, appending them to the cache.
+
+        Returns float32 logits on the host: [n, vocab] with all_logits, else [1, vocab] for
+        the last token.
+        """
+        ids = np.asarray(ids, np.int32).reshape(-1)
+        outputs = []
+        length = cache.length
+        try:
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[start : start + PREFILL_CHUNK]
+                last = start + PREFILL_CHUNK >= len(ids)
+                if all_logits or last:
+                    outputs.append(self._forward_chunk(chunk, cache, all_logits))
+                else:
+                    self._forward_chunk(chunk, cache, None)
+        except BaseException:  # Ctrl-C mid-pass: the cache must not claim unfinished tokens
+            cache.trim(length)
+            raise
+        return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+
+    def _forward_chunk(self, ids: np.ndarray, cache: KVCache, all_logits: bool | None):
+        b, c = self.backend, self.config
+        n = len(ids)
+        positions = cache.append(ids)  # int32 [n]; slot == position
+        x = b.embed(self.token_embd, ids)  # [n, d]
+        for i, layer in enumerate(self.layers):
+            x = self._attention_block(x, layer, cache.k[i], cache.v[i], positions, n)
+            x = self._ffn_block(x, layer)
+        if all_logits is None:  # an inner prefill chunk: only the cache matters
+            return None
+        if not all_logits:
+            x = x[n - 1 :]
+        x = b.rms_norm(x, self.output_norm, c.rms_eps)
+        return b.to_host(b.matmul(x, self.output))
+
+    def _attention_block(self, x, layer: Layer, k_cache, v_cache, positions, n):
+        b, c = self.backend, self.config
+        h = b.rms_norm(x, layer.attn_norm, c.rms_eps)  # [n, d]
+        q = b.matmul(h, layer.wq)  # [n, h*hd]
+        k = b.matmul(h, layer.wk)  # [n, hk*hd]
+        v = b.matmul(h, layer.wv)  # [n, hk*hd]
+        if layer.bq is not None:
+            b.add_bias(q, layer.bq)
+            b.add_bias(k, layer.bk)
+            b.add_bias(v, layer.bv)
+        q = b.rope(q.reshape(n, c.n_head, c.head_dim), positions, c.rope)
+        k = b.rope(k.reshape(n, c.n_head_kv, c.head_dim), positions, c.rope)
+        b.kv_write(k_cache, v_cache, k, v.reshape(n, c.n_head_kv, c.head_dim), positions)
+        attn = b.attention(q, k_cache, v_cache, positions, self.attn_scale)  # [n, h*hd]
+        return b.add(x, b.matmul(attn, layer.wo))
+
+    def _ffn_block(self, x, layer: Layer):
+        b, c = self.backend, self.config
+        h = b.rms_norm(x, layer.ffn_norm, c.rms_eps)
+        gated = b.silu_mul(b.matmul(h, layer.w_gate), b.matmul(h, layer.w_up))  # [n, f]
+        return b.add(x, b.matmul(gated, layer.w_down))

@@ -1,0 +1,111 @@
+"""The parity harness: every backend operation against the NumPy reference backend.
+
+A new backend op is not done until it has a case here. GPU cases skip without CuPy or a GPU.
+"""
+
+import numpy as np
+import pytest
+from helpers import random_blocks
+
+from fastrun.backends import RopeConfig, get_backend
+from fastrun.backends.cuda import cuda_available
+from fastrun.backends.reference import ReferenceBackend
+
+BACKENDS = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="no CUDA GPU")),
+]
+WEIGHT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "F32"]
+
+ref = ReferenceBackend()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    return get_backend(request.param)
+
+
+def host(backend, x):
+    return np.asarray(backend.to_host(x))
+
+
+def dev(backend, x):
+    """A host array onto the backend, through the only door the contract has for activations."""
+    return backend.load_vector(x.reshape(-1)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", WEIGHT_TYPES)
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_matmul(backend, qtype, n):
+    rng = np.random.default_rng(hash((qtype, n)) % 2**32)
+    n_out, n_in = 48, 512
+    raw = random_blocks(qtype, n_out, n_in, rng)
+    x = rng.standard_normal((n, n_in)).astype(np.float32)
+    expect = ref.matmul(x, ref.load_weight(raw, qtype, n_out, n_in))
+    got = host(backend, backend.matmul(dev(backend, x), backend.load_weight(raw, qtype, n_out, n_in)))
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "F16"])
+def test_embed(backend, qtype):
+    rng = np.random.default_rng(5)
+    raw = random_blocks(qtype, 40, 256, rng)
+    ids = np.array([3, 0, 39, 3], np.int32)
+    expect = ref.embed(ref.load_weight(raw, qtype, 40, 256), ids)
+    got = host(backend, backend.embed(backend.load_weight(raw, qtype, 40, 256), ids))
+    np.testing.assert_array_equal(got, expect)
+
+
+def test_rms_norm(backend):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 576)).astype(np.float32) * 3
+    w = rng.standard_normal(576).astype(np.float32)
+    got = host(backend, backend.rms_norm(dev(backend, x), backend.load_vector(w), 1e-5))
+    np.testing.assert_allclose(got, ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("factors", [False, True])
+def test_rope(backend, neox, factors):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 3, 64)).astype(np.float32)
+    pos = np.array([0, 1, 2, 100, 4000, 31000], np.int32)
+    ff = (1 + rng.random(32)).astype(np.float32) if factors else None
+    cfg = RopeConfig(n_dims=64, freq_base=1e6 if neox else 1e4, neox=neox, freq_factors=ff)
+    expect = ref.rope(x.copy(), pos, cfg)
+    got = host(backend, backend.rope(dev(backend, x), pos, cfg))
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+
+
+def test_silu_mul_add_bias(backend):
+    rng = np.random.default_rng(8)
+    g, u = rng.standard_normal((2, 4, 100)).astype(np.float32) * 4
+    b = rng.standard_normal(100).astype(np.float32)
+    got = host(backend, backend.silu_mul(dev(backend, g), dev(backend, u)))
+    np.testing.assert_allclose(got, ref.silu_mul(g, u), rtol=1e-5, atol=1e-6)
+    x = dev(backend, g)
+    got = host(backend, backend.add_bias(backend.add(x, dev(backend, u)), backend.load_vector(b)))
+    np.testing.assert_allclose(got, g + u + b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n, group", [(1, 3), (9, 3), (9, 1), (40, 7)])
+def test_kv_write_and_attention(backend, n, group):
+    rng = np.random.default_rng(9 + n)
+    hk, hd, c = 2, 64, 64
+    h = hk * group
+    start = 5
+    k_ref, v_ref = ref.zeros((c, hk, hd)), ref.zeros((c, hk, hd))
+    k_dev, v_dev = backend.zeros((c, hk, hd)), backend.zeros((c, hk, hd))
+    # earlier tokens already in the cache, then n new ones
+    for first, count in ((0, start), (start, n)):
+        k = rng.standard_normal((count, hk, hd)).astype(np.float32)
+        v = rng.standard_normal((count, hk, hd)).astype(np.float32)
+        slots = np.arange(first, first + count, dtype=np.int32)
+        ref.kv_write(k_ref, v_ref, k, v, slots)
+        backend.kv_write(k_dev, v_dev, dev(backend, k), dev(backend, v), slots)
+    np.testing.assert_array_equal(host(backend, k_dev), k_ref)
+    q = rng.standard_normal((n, h, hd)).astype(np.float32)
+    pos = np.arange(start, start + n, dtype=np.int32)
+    expect = ref.attention(q, k_ref, v_ref, pos, hd**-0.5)
+    got = host(backend, backend.attention(dev(backend, q), k_dev, v_dev, pos, hd**-0.5))
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
