@@ -112,7 +112,10 @@ class ReferenceBackend(Backend):
         return x
 
     def silu_mul(self, gate, up):
-        return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+        with np.errstate(
+            over="ignore"
+        ):  # exp(-gate) overflows to inf for very negative gate: silu -> 0
+            return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
 
     def add(self, x, y):
         x += y

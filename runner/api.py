@@ -37,8 +37,14 @@ def sampling_params(**settings) -> SamplingParams:
 class Model:
     """A loaded model with its tokenizer, chat template and one KV cache (one session)."""
 
-    def __init__(self, path: str | os.PathLike, backend: str = "cpu", n_ctx: int | None = None,
-                 threads: int | None = None, progress=None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        backend: str = "cpu",
+        n_ctx: int | None = None,
+        threads: int | None = None,
+        progress=None,
+    ):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         self.tokenizer = Tokenizer.from_gguf(self.file)
@@ -117,6 +123,8 @@ class Model:
         self.file.close()
 
 
-def load(model: str | os.PathLike, backend: str = "cpu", n_ctx: int | None = None, **kwargs) -> Model:
+def load(
+    model: str | os.PathLike, backend: str = "cpu", n_ctx: int | None = None, **kwargs
+) -> Model:
     """Load a model by GGUF path or registry name (pulled on first use)."""
     return Model(resolve_model(model), backend=backend, n_ctx=n_ctx, **kwargs)

@@ -21,7 +21,9 @@ def _raise_exception(message):
 
 
 def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys
+    )
 
 
 class ChatTemplate:

@@ -182,4 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the imported module, so commands.py registers on the same app object.
+    from fastrun.runner.cli import main as _main
+
+    sys.exit(_main())

@@ -13,7 +13,9 @@ from fastrun.runner.cli import app, resolve
 from fastrun.runner.progress import stderr_console
 
 # Options shared by run and chat, declared once.
-MaxTokens = Annotated[int, typer.Option("-n", "--max-tokens", min=1, help="Most tokens to generate.")]
+MaxTokens = Annotated[
+    int, typer.Option("-n", "--max-tokens", min=1, help="Most tokens to generate.")
+]
 Temperature = Annotated[float, typer.Option("--temp", "--temperature", min=0.0, help="0 = greedy.")]
 TopK = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely (0 = off).")]
 TopP = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus mass (1 = off).")]
@@ -39,7 +41,9 @@ def load_model(model: str, backend: str, ctx_size: int | None, threads: int | No
     return Model(path, backend=backend, n_ctx=ctx_size, threads=threads)
 
 
-def sampling(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence, frequency, seed, stop):
+def sampling(
+    max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence, frequency, seed, stop
+):
     return dict(
         max_tokens=max_tokens, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, presence_penalty=presence, frequency_penalty=frequency,
@@ -61,9 +65,13 @@ def run(
     frequency_penalty: FrequencyPenalty = 0.0,
     seed: Seed = None,
     stop: Stop = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")] = False,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt in the chat template.")
+    ] = False,
     system: System = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object at the end.")
+    ] = False,
     ctx_size: CtxSize = None,
     threads: Threads = None,
     backend: BackendOpt = "cpu",
@@ -166,10 +174,10 @@ def chat_command(
         messages.append({"role": "user", "content": line})
         try:
             for piece in m.chat(messages, **settings):
-                console.out(piece, end="", highlight=False)
+                console.file.write(piece)  # raw text: rich's markup parsing per token is slow
                 console.file.flush()
         except KeyboardInterrupt:
-            console.print("\n[dim][stopped][/dim]", end="")
+            console.print("\n[dim]\\[stopped][/dim]", end="")
         except FastrunError as e:
             messages.pop()
             console.print(f"[red]fastrun: error: {e}[/red]")

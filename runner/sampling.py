@@ -45,7 +45,9 @@ class Sampler:
         p = self.params
         logits = np.asarray(logits, np.float32).reshape(-1)
         if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            logits = self._penalize(logits.copy(), history[-p.repeat_last_n :] if p.repeat_last_n else [])
+            logits = self._penalize(
+                logits.copy(), history[-p.repeat_last_n :] if p.repeat_last_n else []
+            )
         if p.temperature <= 0:
             return int(np.argmax(logits))
         ids = np.arange(logits.size)

@@ -54,3 +54,77 @@ def test_user_errors_are_one_line(args, message):
 def test_pull_list():
     r = fastrun("pull", "--list")
     assert r.returncode == 0 and "smollm2-135m-instruct" in r.stdout
+
+
+def test_run_json_from_a_subprocess(smollm2_path):
+    r = fastrun(
+        "run", str(smollm2_path), "The capital of France is", "-n", "8", "--temp", "0", "--json"
+    )
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert set(data) == {"text", "tokens", "prompt_tokens", "finish_reason", "timings"}
+    assert (
+        data["prompt_tokens"] == 5
+        and len(data["tokens"]) == 8
+        and data["finish_reason"] == "length"
+    )
+    assert data["timings"]["decode_tokens_per_second"] > 0
+    assert "Paris" in data["text"]
+
+
+def test_run_streams_text_only_and_reads_stdin(smollm2_path):
+    r = fastrun(
+        "run", str(smollm2_path), "-", "-n", "6", "--temp", "0", input="The capital of France is"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("Paris")
+    r2 = fastrun("run", str(smollm2_path), "-", "-n", "6", "--temp", "0", "--chat",
+                 input="Say hi")  # fmt: skip
+    assert r2.returncode == 0 and r2.stdout.strip()
+
+
+def test_run_user_errors(smollm2_path, tmp_path):
+    long_prompt = "word " * 300
+    r = fastrun("run", str(smollm2_path), long_prompt, "-c", "64")
+    assert r.returncode == 2 and "context holds 64" in r.stderr and r.stdout == ""
+    r = fastrun("run", str(smollm2_path), "hi", "--no-such-flag")
+    assert r.returncode == 2 and r.stderr.startswith("fastrun: error: No such option")
+    from helpers import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "m.gguf", arch="mamba")
+    r = fastrun("run", str(other), "hi")
+    assert r.returncode == 2 and "unsupported architecture 'mamba'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_chat_in_a_terminal(smollm2_path):
+    """Two turns, a Ctrl-C in the middle of a reply (the session goes on), then Ctrl-D."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(
+        sys.executable, ["-m", "fastrun.runner.cli", "chat", str(smollm2_path), "--temp", "0",
+                         "-n", "400"],
+        encoding="utf-8", timeout=120, dimensions=(40, 200),
+    )  # fmt: skip
+    child.expect(">>> ")
+    child.sendline("What is the capital of France?")
+    child.expect(">>> ")
+    first = child.before
+    assert "Paris" in first or len(first.strip()) > 0
+    child.sendline("Write a very long story about a dragon.")
+    child.expect("dragon.\r\n")  # the echo of the line typed
+    child.expect(r"\w+ \w+ \w+")  # the reply has started streaming
+    child.sendintr()
+    child.expect(r"\[stopped\]")
+    child.expect(">>> ")
+    child.sendline("/stats")
+    child.expect(r"prompt (\d+) tokens \((\d+) run")
+    assert int(child.match.group(2)) < int(
+        child.match.group(1)
+    )  # earlier turns came from the cache
+    child.expect(">>> ")
+    child.sendline("Thanks!")
+    child.expect(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

@@ -42,7 +42,9 @@ def test_matmul(backend, qtype, n):
     raw = random_blocks(qtype, n_out, n_in, rng)
     x = rng.standard_normal((n, n_in)).astype(np.float32)
     expect = ref.matmul(x, ref.load_weight(raw, qtype, n_out, n_in))
-    got = host(backend, backend.matmul(dev(backend, x), backend.load_weight(raw, qtype, n_out, n_in)))
+    got = host(
+        backend, backend.matmul(dev(backend, x), backend.load_weight(raw, qtype, n_out, n_in))
+    )
     np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
 
 

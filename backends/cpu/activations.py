@@ -17,8 +17,9 @@ _JIT = dict(nogil=True, cache=True, fastmath=False)
 
 
 @nb.njit(parallel=True, **_JIT)
-def quantize_q8_0(x, xq, xd, xs):
-    """x [n, k] -> xq int8 [n, k], xd [n, k/32] scales, xs [n, k/32] scaled block sums (Q8_1)."""
+def quantize_q8_0(x, xq, xd, xs, isum):
+    """x [n, k] -> xq int8 [n, k], xd [n, k/32] scales, xs [n, k/32] scaled block sums (Q8_1),
+    isum int32 [n, k/32] integer block sums (for weights stored with an offset)."""
     n, k = x.shape
     for t in nb.prange(n):
         for b in range(k // 32):
@@ -34,6 +35,7 @@ def quantize_q8_0(x, xq, xd, xs):
                 total += q
             xd[t, b] = f16_round(d)
             xs[t, b] = f16_round(np.float32(total) * d)
+            isum[t, b] = total
 
 
 @nb.njit(parallel=True, **_JIT)
@@ -76,8 +78,9 @@ def quantize_rows(x: np.ndarray, fmt: str):
         xd = np.empty((n, k // 256), np.float32)
         bsums = np.empty((n, k // 16), np.int32)
         quantize_q8_k(x, xq, xd, bsums)
-        return xq, xd, bsums
+        return xq, xd, bsums, bsums
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 32), np.float32)
-    quantize_q8_0(x, xq, xd, xs)
-    return xq, xd, xs
+    isum = np.empty((n, k // 32), np.int32)
+    quantize_q8_0(x, xq, xd, xs, isum)
+    return xq, xd, xs, isum

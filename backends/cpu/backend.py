@@ -30,9 +30,9 @@ class CPUWeight(Weight):
 
 def _int_kernel(kernel):
     def run(w, x):
-        xq, xd, xs = activations.quantize_rows(x, w.format.activation)
+        xq, xd, xs, isum = activations.quantize_rows(x, w.format.activation)
         out = np.empty((x.shape[0], w.n_out), np.float32)
-        kernel(w.raw, xq, xd, xs, out)
+        kernel(w.raw, xq, xd, xs, isum, out)
         return out
 
     return run
@@ -40,7 +40,7 @@ def _int_kernel(kernel):
 
 def _k_kernel(block_bytes, fifth_bit):
     def run(w, x):
-        xq, xd, bsums = activations.quantize_rows(x, "Q8_K")
+        xq, xd, bsums, _ = activations.quantize_rows(x, "Q8_K")
         out = np.empty((x.shape[0], w.n_out), np.float32)
         matmul.matmul_q45_k(w.raw, xq, xd, bsums, out, block_bytes, fifth_bit)
         return out
@@ -49,7 +49,7 @@ def _k_kernel(block_bytes, fifth_bit):
 
 
 def _q6_k(w, x):
-    xq, xd, bsums = activations.quantize_rows(x, "Q8_K")
+    xq, xd, bsums, _ = activations.quantize_rows(x, "Q8_K")
     out = np.empty((x.shape[0], w.n_out), np.float32)
     matmul.matmul_q6_k(w.raw, xq, xd, bsums, out)
     return out
@@ -143,8 +143,12 @@ class CPUBackend(Backend):
         n, h, hd = q.shape
         out = np.empty((n, h, hd), np.float32)
         ops.attention(
-            np.ascontiguousarray(q), k_cache, v_cache, np.ascontiguousarray(positions, np.int32),
-            np.float32(scale), out,
+            np.ascontiguousarray(q),
+            k_cache,
+            v_cache,
+            np.ascontiguousarray(positions, np.int32),
+            np.float32(scale),
+            out,
         )
         return out.reshape(n, h * hd)
 

@@ -120,7 +120,9 @@ class Transformer:
             info = f.tensor(name)
             from fastrun.quant import dequantize
 
-            return backend.load_vector(dequantize(f.tensor_bytes(name), info.format.name, info.n_elements))
+            return backend.load_vector(
+                dequantize(f.tensor_bytes(name), info.format.name, info.n_elements)
+            )
 
         self.token_embd = load(keys.TOKEN_EMBD, c.n_vocab, c.n_embd)  # [vocab, d]
         self.layers = [Layer(load, vector, i, c) for i in range(c.n_layer)]

@@ -1,0 +1,53 @@
+"""Fidelity against llama.cpp's own numbers (../shared/golden): teacher-forced log-probs and
+greedy continuations. SmolLM2 always runs; the Qwen models are marked slow."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers import GOLDEN, golden, real_model
+
+from fastrun.runner.api import Model
+
+MODELS = [
+    "smollm2-135m-instruct",
+    pytest.param("qwen2.5-coder-0.5b-instruct", marks=pytest.mark.slow),
+    pytest.param("qwen2.5-coder-1.5b-instruct", marks=pytest.mark.slow),
+]
+# Where llama.cpp's own top-2 log-probs are closer than this, either side may pick either
+# token. The golden README uses 0.1; fastrun's logits move by up to ~0.1 nats under changes
+# as small as float32 instead of float64 sums in RMSNorm (see the issue #3 note), so a
+# margin twice that is the honest bound for an implementation that is not bit-identical.
+NEAR_TIE = 0.25
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def loaded(request):
+    return Model(real_model(request.param), n_ctx=512), golden(request.param)
+
+
+@pytest.mark.parametrize("text", ["apache", "jsondec"])
+def test_teacher_forced_logprobs(loaded, text):
+    model, ref = loaded
+    tokens = ref[f"teacher.{text}.tokens"]
+    top_ids, top_lp = ref[f"teacher.{text}.top_ids"], ref[f"teacher.{text}.top_logprobs"]
+    lp = model.logprobs(tokens)
+    top1 = (lp.argmax(axis=1) == top_ids[:, 0])[1:].mean()
+    ours = np.take_along_axis(lp, top_ids, axis=1)
+    kl = (np.exp(top_lp) * (top_lp - ours)).sum(axis=1)[1:].mean()
+    print(f"{text}: top-1 {top1:.4f}, KL {kl:.5f}")
+    assert top1 >= 0.95 and kl <= 0.006
+
+
+@pytest.mark.parametrize("text", ["story", "fact", "code"])
+def test_greedy_matches_up_to_near_tie(loaded, text):
+    model, ref = loaded
+    prompt = json.loads((GOLDEN / "texts.json").read_text())["greedy"][text]
+    ids = ref[f"greedy.{text}.prompt_tokens"].tolist()
+    assert model.tokenize(prompt, special=True) == ids
+    expect = ref[f"greedy.{text}.tokens"].tolist()
+    top2 = ref[f"greedy.{text}.top2_logprobs"]
+    got = model.complete(ids, temperature=0, max_tokens=len(expect)).tokens
+    ties = [i for i in range(len(expect)) if top2[i, 0] - top2[i, 1] < NEAR_TIE]
+    check = ties[0] if ties else len(expect)
+    assert got[:check] == expect[:check]

@@ -1,0 +1,60 @@
+"""End-to-end model behaviour on tiny synthetic GGUF files: CPU vs the NumPy reference, the
+KV cache (prefix reuse, rollback), and clear errors for what fastrun does not run."""
+
+import numpy as np
+import pytest
+from helpers import write_tiny_model
+
+from fastrun.backends import get_backend
+from fastrun.formats import FastrunError, GGUFFile
+from fastrun.runner.api import Model
+from fastrun.runner.models import model_class
+
+
+def _logits(path, backend, ids):
+    with GGUFFile(path) as f:
+        model = model_class(f.architecture)(f, get_backend(backend))
+        return model.forward(ids, model.new_cache(64), all_logits=True)
+
+
+@pytest.mark.parametrize(
+    "arch, qtype", [("llama", "Q4_0"), ("llama", "Q4_K"), ("qwen2", "Q5_0"), ("qwen2", "Q6_K")]
+)
+def test_cpu_matches_reference_end_to_end(tmp_path, arch, qtype):
+    path = write_tiny_model(tmp_path / "m.gguf", arch=arch, qtype=qtype, tied=arch == "llama")
+    ids = [5, 17, 200, 3, 99, 42, 7]
+    cpu, ref = _logits(path, "cpu", ids), _logits(path, "reference", ids)
+    np.testing.assert_allclose(cpu, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_prefix_reuse_and_rollback_give_the_same_logits(tiny_model):
+    m = Model(tiny_model, n_ctx=64)
+    ids = [5, 17, 200, 3, 99, 42, 7, 8, 9]
+    fresh = m.transformer.forward(ids, m.transformer.new_cache(64))
+    cache = m.cache
+    m.transformer.forward(ids[:5], cache)
+    m.transformer.forward([1, 2, 3], cache)  # a draft that gets rejected
+    cache.trim(5)
+    assert cache.tokens == ids[:5]
+    again = m.transformer.forward(ids[5:], cache)
+    np.testing.assert_allclose(again, fresh, rtol=1e-5, atol=1e-5)
+    assert cache.common_prefix(ids + [1]) == len(ids)
+
+
+def test_context_overflow_is_a_clear_error(tiny_model):
+    m = Model(tiny_model, n_ctx=8)
+    with pytest.raises(FastrunError, match="context holds 8"):
+        list(m.generate(list(range(1, 20))))
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_tiny_model(tmp_path / "m.gguf", arch="mamba")
+    with pytest.raises(FastrunError, match="unsupported architecture 'mamba'"):
+        Model(path)
+
+
+def test_logprobs_shape_and_normalization(tiny_model):
+    m = Model(tiny_model, n_ctx=64)
+    lp = m.logprobs([5, 6, 7])
+    assert lp.shape == (3, m.config.n_vocab) and lp.dtype == np.float32
+    np.testing.assert_allclose(np.exp(lp).sum(axis=1), 1.0, rtol=1e-4)

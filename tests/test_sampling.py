@@ -1,0 +1,75 @@
+"""The sampler: greedy, seeds, the filters, penalties; stop strings in the generation loop."""
+
+import numpy as np
+import pytest
+
+from fastrun.runner.api import Model, sampling_params
+from fastrun.runner.generate import _held_back
+from fastrun.runner.sampling import Sampler, SamplingParams
+
+LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], np.float32))
+
+
+def draws(params, n=400):
+    s = Sampler(params)
+    return [s(LOGITS, []) for _ in range(n)]
+
+
+def test_greedy_and_seed():
+    assert Sampler(SamplingParams.greedy())(LOGITS, []) == 0
+    a = draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+    b = draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+    assert a == b and len(set(a)) == 5
+
+
+def test_filters():
+    assert set(draws(SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=1))) == {
+        0,
+        1,
+    }
+    assert set(draws(SamplingParams(temperature=1.0, top_k=0, top_p=0.6, min_p=0.0, seed=1))) == {
+        0,
+        1,
+    }
+    assert set(draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.25, seed=1))) == {
+        0,
+        1,
+        2,
+    }
+    cold = draws(SamplingParams(temperature=0.05, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    assert cold.count(0) > 390
+
+
+def test_penalties():
+    logits = np.array([2.0, 1.9, -1.0], np.float32)
+    greedy = SamplingParams.greedy
+    assert Sampler(greedy(repeat_penalty=1.5))(logits, [0]) == 1
+    assert Sampler(greedy(presence_penalty=0.5))(logits, [0]) == 1
+    assert Sampler(greedy(frequency_penalty=0.06))(logits, [0, 0]) == 1
+    assert Sampler(greedy(frequency_penalty=0.06))(logits, [0]) == 0
+
+
+def test_stop_string_holdback():
+    assert _held_back("hello wor", ("world",)) == 3
+    assert _held_back("hello", ("xyz",)) == 0
+
+
+def test_unknown_setting_is_a_user_error():
+    from fastrun.formats import FastrunError
+
+    with pytest.raises(FastrunError, match="unknown sampling"):
+        sampling_params(temprature=0.5)
+
+
+def test_generation_stops(tiny_model):
+    m = Model(tiny_model, n_ctx=128)
+    out = m.complete("the the", temperature=0, max_tokens=5)
+    assert out.finish_reason in ("length", "stop") and len(out.tokens) <= 5
+    full = m.complete("the the", temperature=0, max_tokens=20).text
+    if len(full) > 4:
+        stop = full[2:4]
+        cut = m.complete("the the", temperature=0, max_tokens=20, stop=[stop])
+        assert cut.finish_reason == "stop" and stop not in cut.text and full.startswith(cut.text)
+    a = m.complete("the", temperature=1.0, seed=3, max_tokens=10).tokens
+    b = m.complete("the", temperature=1.0, seed=3, max_tokens=10).tokens
+    assert a == b
