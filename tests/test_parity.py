@@ -111,3 +111,31 @@ def test_kv_write_and_attention(backend, n, group):
     expect = ref.attention(q, k_ref, v_ref, pos, hd**-0.5)
     got = host(backend, backend.attention(dev(backend, q), k_dev, v_dev, pos, hd**-0.5))
     np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
+
+
+def test_portable_kernels_without_avx2(tmp_path):
+    """The generic-IR path (CPUs without AVX2) gives the same products, in a fresh process
+    with its own kernel cache."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import numpy as np
+sys.path.insert(0, "tests")
+from helpers import random_blocks
+from fastrun.backends import get_backend
+from fastrun.backends.cpu import simd
+from fastrun.backends.reference import ReferenceBackend
+assert not simd.HAS_AVX2
+cpu, ref, rng = get_backend("cpu"), ReferenceBackend(), np.random.default_rng(0)
+for q in ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]:
+    raw, x = random_blocks(q, 8, 512, rng), rng.standard_normal((5, 512)).astype(np.float32)
+    a = cpu.matmul(x, cpu.load_weight(raw, q, 8, 512))
+    b = ref.matmul(x, ref.load_weight(raw, q, 8, 512))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+"""
+    env = dict(os.environ, FASTRUN_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -71,14 +71,15 @@ def quantize_q8_k(x, xq, xd, bsums):
 
 
 def quantize_rows(x: np.ndarray, fmt: str):
-    """Quantize activation rows x [n, k] float32 into the arrays the dot kernels take."""
+    """Quantize activation rows x [n, k] float32 into the arrays the dot kernels take:
+    (xq int8 [n, k], xd scales, xs scaled block sums, isum integer block sums)."""
     n, k = x.shape
     xq = np.empty((n, k), np.int8)
     if fmt == "Q8_K":
         xd = np.empty((n, k // 256), np.float32)
         bsums = np.empty((n, k // 16), np.int32)
         quantize_q8_k(x, xq, xd, bsums)
-        return xq, xd, bsums, bsums
+        return xq, xd, xd, bsums  # no scaled sums for Q8_K: same array types, one signature
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 32), np.float32)
     isum = np.empty((n, k // 32), np.int32)

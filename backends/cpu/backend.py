@@ -24,46 +24,17 @@ class CPUWeight(Weight):
         self.raw = raw
         if qtype in ("F32", "F16", "BF16"):  # float weights: one float32 matrix
             self.dense = dequantize(raw, qtype, n_out * n_in).reshape(n_out, n_in)
-        elif qtype not in _KERNELS:
+        elif qtype in matmul.FORMATS:
+            self.kernel = matmul.FORMATS.index(qtype)
+        else:
             raise FastrunError(f"the CPU backend has no matmul for {qtype} weights")
 
 
-def _int_kernel(kernel):
-    def run(w, x):
-        xq, xd, xs, isum = activations.quantize_rows(x, w.format.activation)
-        out = np.empty((x.shape[0], w.n_out), np.float32)
-        kernel(w.raw, xq, xd, xs, isum, out)
-        return out
-
-    return run
-
-
-def _k_kernel(block_bytes, fifth_bit):
-    def run(w, x):
-        xq, xd, bsums, _ = activations.quantize_rows(x, "Q8_K")
-        out = np.empty((x.shape[0], w.n_out), np.float32)
-        matmul.matmul_q45_k(w.raw, xq, xd, bsums, out, block_bytes, fifth_bit)
-        return out
-
-    return run
-
-
-def _q6_k(w, x):
-    xq, xd, bsums, _ = activations.quantize_rows(x, "Q8_K")
+def _quantized_matmul(w: CPUWeight, x: np.ndarray) -> np.ndarray:
+    xq, xd, xs, isum = activations.quantize_rows(x, w.format.activation)
     out = np.empty((x.shape[0], w.n_out), np.float32)
-    matmul.matmul_q6_k(w.raw, xq, xd, bsums, out)
+    matmul.matmul_q(w.raw, xq, xd, xs, isum, out, w.kernel, w.format.block_size)
     return out
-
-
-_KERNELS = {
-    "Q4_0": _int_kernel(matmul.matmul_q4_0),
-    "Q4_1": _int_kernel(matmul.matmul_q4_1),
-    "Q5_0": _int_kernel(matmul.matmul_q5_0),
-    "Q8_0": _int_kernel(matmul.matmul_q8_0),
-    "Q4_K": _k_kernel(144, False),
-    "Q5_K": _k_kernel(176, True),
-    "Q6_K": _q6_k,
-}
 
 
 class CPUBackend(Backend):
@@ -97,7 +68,7 @@ class CPUBackend(Backend):
             out = np.empty((x.shape[0], w.n_out), np.float32)
             matmul.matmul_f32(w.dense, x, out)
             return out
-        return _KERNELS[w.qtype](w, x)
+        return _quantized_matmul(w, x)
 
     def embed(self, w, ids):
         rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])

@@ -1,11 +1,11 @@
 """Quantized matrix products on the CPU: raw GGUF weight bytes times quantized activations.
 
-Each kernel reads the weight rows straight from the memory-mapped file (no repacking, no copy)
-and, per block, takes the integer dot product with the int8 activations (simd.py) and applies
-the scales, as llama.cpp's vec_dot kernels do. Shapes: w [n_out, row_bytes] uint8, xq
-[n, n_in] int8, xd per-block activation scales, xs fp16-rounded scaled block sums (Q8_1),
-isum integer block sums (Q8_0) or 16-value sums (Q8_K), out [n, n_out]. Threads split the
-output rows; each weight row is reused for all n tokens while it is in L1.
+The kernels read weight rows straight from the memory-mapped file (no repacking, no copy);
+rowdot.py does the arithmetic of one row against 1 or 4 activation rows, as llama.cpp's
+vec_dot kernels do. Shapes: w [n_out, row_bytes] uint8, xq [n, n_in] int8, xd per-block
+activation scales, xs fp16-rounded scaled block sums (Q8_1), isum integer block sums (Q8_0)
+or 16-value sums (Q8_K), out [n, n_out]. Threads split the output rows; each weight row is
+unpacked once per 4 tokens.
 """
 
 from __future__ import annotations
@@ -13,143 +13,70 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from fastrun.backends.cpu.simd import (
-    dot_k4_32,
-    dot_k5_32,
-    dot_k6_16,
-    dot_q4_32,
-    dot_q5_32,
-    dot_q8_32,
-    load_f16,
-)
+from fastrun.backends.cpu.rowdot import ROWDOT
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
 
-
-@nb.njit(parallel=True, **_JIT)
-def matmul_q4_0(w, xq, xd, xs, isum, out):
-    n, n_in = xq.shape
-    for o in nb.prange(w.shape[0]):
-        row = w[o]
-        for t in range(n):
-            x = xq[t]
-            acc = np.float32(0)
-            for b in range(n_in // 32):
-                s = dot_q4_32(row, b * 18 + 2, x, b * 32) - 8 * isum[t, b]  # nibbles are q + 8
-                acc += load_f16(row, b * 18) * xd[t, b] * np.float32(s)
-            out[t, o] = acc
-
-
-@nb.njit(parallel=True, **_JIT)
-def matmul_q4_1(w, xq, xd, xs, isum, out):
-    n, n_in = xq.shape
-    for o in nb.prange(w.shape[0]):
-        row = w[o]
-        for t in range(n):
-            x = xq[t]
-            acc = np.float32(0)
-            for b in range(n_in // 32):
-                p = b * 20
-                s = dot_q4_32(row, p + 4, x, b * 32)
-                acc += load_f16(row, p) * xd[t, b] * np.float32(s) + load_f16(row, p + 2) * xs[t, b]
-            out[t, o] = acc
-
-
-@nb.njit(parallel=True, **_JIT)
-def matmul_q5_0(w, xq, xd, xs, isum, out):
-    n, n_in = xq.shape
-    for o in nb.prange(w.shape[0]):
-        row = w[o]
-        for t in range(n):
-            x = xq[t]
-            acc = np.float32(0)
-            for b in range(n_in // 32):
-                p = b * 22
-                s = dot_q5_32(row, p + 6, p + 2, x, b * 32) - 16 * isum[t, b]  # values are q + 16
-                acc += load_f16(row, p) * xd[t, b] * np.float32(s)
-            out[t, o] = acc
-
-
-@nb.njit(parallel=True, **_JIT)
-def matmul_q8_0(w, xq, xd, xs, isum, out):
-    n, n_in = xq.shape
-    for o in nb.prange(w.shape[0]):
-        row = w[o]
-        for t in range(n):
-            x = xq[t]
-            acc = np.float32(0)
-            for b in range(n_in // 32):
-                s = dot_q8_32(row, b * 34 + 2, x, b * 32)
-                acc += load_f16(row, b * 34) * xd[t, b] * np.float32(s)
-            out[t, o] = acc
+# Quantized formats of the integer kernel; `fmt` below indexes this tuple.
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_, _Q40_1, _Q40_4 = ROWDOT["Q4_0"]
+_, _Q41_1, _Q41_4 = ROWDOT["Q4_1"]
+_, _Q50_1, _Q50_4 = ROWDOT["Q5_0"]
+_, _Q80_1, _Q80_4 = ROWDOT["Q8_0"]
+_, _Q4K_1, _Q4K_4 = ROWDOT["Q4_K"]
+_, _Q5K_1, _Q5K_4 = ROWDOT["Q5_K"]
+_, _Q6K_1, _Q6K_4 = ROWDOT["Q6_K"]
 
 
 @nb.njit(inline="always", **_JIT)
-def _k_scale_min(row, p, j):
-    """6-bit scale and min of sub-block j; the 12 scale bytes start at row[p]."""
-    if j < 4:
-        return np.int32(row[p + j] & 63), np.int32(row[p + j + 4] & 63)
-    sc = (row[p + j + 4] & 15) | ((row[p + j - 4] >> 6) << 4)
-    mn = (row[p + j + 4] >> 4) | ((row[p + j] >> 6) << 4)
-    return np.int32(sc), np.int32(mn)
+def _row1(fmt, row, xq, xd, xs, isum, t, n_blocks):
+    if fmt == 0:
+        return _Q40_1(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 1:
+        return _Q41_1(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 2:
+        return _Q50_1(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 3:
+        return _Q80_1(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 4:
+        return _Q4K_1(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 5:
+        return _Q5K_1(row, xq, xd, xs, isum, t, n_blocks)
+    return _Q6K_1(row, xq, xd, xs, isum, t, n_blocks)
+
+
+@nb.njit(inline="always", **_JIT)
+def _row4(fmt, row, xq, xd, xs, isum, t, n_blocks):
+    if fmt == 0:
+        return _Q40_4(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 1:
+        return _Q41_4(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 2:
+        return _Q50_4(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 3:
+        return _Q80_4(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 4:
+        return _Q4K_4(row, xq, xd, xs, isum, t, n_blocks)
+    if fmt == 5:
+        return _Q5K_4(row, xq, xd, xs, isum, t, n_blocks)
+    return _Q6K_4(row, xq, xd, xs, isum, t, n_blocks)
 
 
 @nb.njit(parallel=True, **_JIT)
-def matmul_q45_k(w, xq, xd, bsums, out, block_bytes, fifth_bit):
-    """Q4_K (144-byte blocks) and Q5_K (176 bytes, a fifth bit in qh) times Q8_K."""
+def matmul_q(w, xq, xd, xs, isum, out, fmt, block_size):
+    """Quantized rows of format FORMATS[fmt] times quantized activations."""
     n, n_in = xq.shape
-    qs_at = 48 if fifth_bit else 16
+    n_blocks = n_in // block_size
     for o in nb.prange(w.shape[0]):
         row = w[o]
-        for t in range(n):
-            x = xq[t]
-            acc = np.float32(0)
-            for b in range(n_in // 256):
-                p = b * block_bytes
-                sum_q = np.int32(0)
-                sum_m = np.int32(0)
-                for j in range(8):
-                    sc, mn = _k_scale_min(row, p + 4, j)
-                    at = p + qs_at + 32 * (j // 2)
-                    if fifth_bit:
-                        s = dot_k5_32(row, at, 4 * (j % 2), p + 16, j, x, b * 256 + 32 * j)
-                    else:
-                        s = dot_k4_32(row, at, 4 * (j % 2), x, b * 256 + 32 * j)
-                    sum_q += sc * s
-                    sum_m += mn * (bsums[t, b * 16 + 2 * j] + bsums[t, b * 16 + 2 * j + 1])
-                scale = xd[t, b]
-                acc += load_f16(row, p) * scale * np.float32(sum_q)
-                acc -= load_f16(row, p + 2) * scale * np.float32(sum_m)
-            out[t, o] = acc
-
-
-@nb.njit(parallel=True, **_JIT)
-def matmul_q6_k(w, xq, xd, bsums, out):
-    """Q6_K (210-byte blocks: ql[128], qh[64], int8 scales[16], d) times Q8_K."""
-    n, n_in = xq.shape
-    for o in nb.prange(w.shape[0]):
-        row = w[o]
-        for t in range(n):
-            x = xq[t]
-            acc = np.float32(0)
-            for b in range(n_in // 256):
-                p = b * 210
-                total = np.int32(0)
-                for half in range(2):
-                    for quarter in range(4):
-                        lo_at = p + 64 * half + (32 if quarter % 2 else 0)
-                        lo_shift = 4 if quarter >= 2 else 0
-                        for g in range(2):  # two 16-value groups, each with its own scale
-                            y = b * 256 + 128 * half + 32 * quarter + 16 * g
-                            s = dot_k6_16(
-                                row, lo_at + 16 * g, lo_shift, p + 128 + 32 * half + 16 * g,
-                                2 * quarter, x, y,
-                            )  # fmt: skip
-                            s -= 32 * bsums[t, y // 16]  # stored values are q + 32
-                            sc = np.int32(np.int8(row[p + 192 + 8 * half + 2 * quarter + g]))
-                            total += sc * s
-                acc += load_f16(row, p + 208) * xd[t, b] * np.float32(total)
-            out[t, o] = acc
+        t = 0
+        while t + 4 <= n:
+            r = _row4(fmt, row, xq, xd, xs, isum, t, n_blocks)
+            out[t, o], out[t + 1, o], out[t + 2, o], out[t + 3, o] = r
+            t += 4
+        while t < n:
+            out[t, o] = _row1(fmt, row, xq, xd, xs, isum, t, n_blocks)
+            t += 1
 
 
 @nb.njit(parallel=True, **_JIT)

@@ -1,0 +1,290 @@
+"""Whole-row dot products of quantized weights, as LLVM IR loops (numba intrinsics).
+
+One call takes a weight row of blocks times T activation rows (T = 1 for decode, 4 for
+prefill). Each block is unpacked once, multiplied with every activation row by
+`simd.block_partials` into eight int32 lanes, scaled and accumulated in a float vector; one
+horizontal sum per row at the end. Numba's own loops cannot reach this (see simd.py).
+
+A block format is a `block` function here that emits, for one block and each token, the
+int32 lanes, the float scale that multiplies them, and a scalar correction (offsets and
+mins). Arrays passed in: row uint8 [row_bytes]; xq int8 [n, n_in]; xd float32 [n, *]
+activation scales; xs float32 [n, *] (Q8_1 scaled sums); isum int32 [n, *] (integer block
+sums for Q8_0, 16-value sums for Q8_K).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fastrun.backends.cpu.simd import I8, I32, block_partials, lanes, splat, unpack_nibbles32, vec
+
+_F32 = ir.FloatType()
+_I64 = ir.IntType(64)
+_V8F = vec(_F32, 8)
+_V8I = vec(I32, 8)
+
+
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _load(builder, base, offset, ty):
+    ptr = builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
+    return builder.load(ptr, align=1)
+
+
+def _f16(builder, base, offset):
+    return builder.fpext(_load(builder, base, offset, ir.HalfType()), _F32)
+
+
+def _byte(builder, base, offset):
+    return builder.zext(_load(builder, base, offset, I8), I32)
+
+
+def _splat_val(builder, value, ty, n=8):
+    undef = ir.Constant(vec(ty, n), ir.Undefined)
+    first = builder.insert_element(undef, value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(first, undef, ir.Constant(vec(I32, n), [0] * n))
+
+
+def _hsum(builder, v, ty=_F32):
+    n = v.type.count
+    items = [builder.extract_element(v, ir.Constant(I32, i)) for i in range(n)]
+    add = builder.fadd if ty == _F32 else builder.add
+    while len(items) > 1:
+        items = [add(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+    return items[0]
+
+
+class _Tok:
+    """Pointers into one token's activation arrays."""
+
+    def __init__(self, x, xd, xs, isum):
+        self.x, self.xd, self.xs, self.isum = x, xd, xs, isum
+
+    def x32(self, builder, offset):
+        return _load(builder, self.x, offset, vec(I8, 32))
+
+
+# -- block formats of 32 values (activation Q8_0 / Q8_1) -----------------------------------------
+
+
+def _b32(block_bytes, qs_at, qh_at=-1, offset=0, has_min=False, signed=False):
+    def block(builder, row, base, b, toks):
+        d = _f16(builder, row, base)
+        qs = builder.gep(row, [builder.add(base, _c64(qs_at))])
+        if signed:
+            vals = _load(builder, qs, _c64(0), vec(I8, 32))
+        else:
+            qh = _load(builder, row, builder.add(base, _c64(qh_at)), I32) if qh_at >= 0 else None
+            vals = unpack_nibbles32(builder, qs, qh)
+        m = _f16(builder, row, builder.add(base, _c64(2))) if has_min else None
+        out = []
+        for tok in toks:
+            part = block_partials(builder, vals, tok.x32(builder, builder.mul(b, _c64(32))), signed)
+            scale = builder.fmul(d, builder.load(builder.gep(tok.xd, [b])))
+            extra = ir.Constant(_F32, 0.0)
+            if has_min:  # Q4_1: + m * s, s the activation's fp16 scaled block sum
+                extra = builder.fmul(m, builder.load(builder.gep(tok.xs, [b])))
+            elif offset:  # stored values are q + offset
+                isum = builder.sitofp(builder.load(builder.gep(tok.isum, [b])), _F32)
+                extra = builder.fmul(isum, builder.fmul(scale, ir.Constant(_F32, -offset)))
+            out.append((part, scale, extra))
+        return out
+
+    return block, 32, block_bytes
+
+
+# -- K-quant super-blocks of 256 values (activation Q8_K) ---------------------------------------
+
+
+def _k_scales(builder, row, at):
+    """The 8 six-bit (scale, min) pairs of Q4_K/Q5_K from the 12 bytes at row[at]."""
+    s = [_byte(builder, row, builder.add(at, _c64(i))) for i in range(12)]
+    c63, c15, c6, c4 = (ir.Constant(I32, v) for v in (63, 15, 6, 4))
+    sc, mn = [], []
+    for j in range(8):
+        if j < 4:
+            sc.append(builder.and_(s[j], c63))
+            mn.append(builder.and_(s[j + 4], c63))
+        else:
+            top = builder.shl(builder.lshr(s[j - 4], c6), c4)
+            sc.append(builder.or_(builder.and_(s[j + 4], c15), top))
+            top = builder.shl(builder.lshr(s[j], c6), c4)
+            mn.append(builder.or_(builder.lshr(s[j + 4], c4), top))
+    return sc, mn
+
+
+def _k45(fifth_bit: bool):
+    block_bytes, qs_at = (176, 48) if fifth_bit else (144, 16)
+
+    def block(builder, row, base, b, toks):
+        d = _f16(builder, row, base)
+        dmin = _f16(builder, row, builder.add(base, _c64(2)))
+        sc, mn = _k_scales(builder, row, builder.add(base, _c64(4)))
+        vals = []
+        for j in range(8):
+            packed = _load(
+                builder, row, builder.add(base, _c64(qs_at + 32 * (j // 2))), vec(I8, 32)
+            )
+            if j % 2:
+                packed = builder.lshr(packed, splat(I8, 32, 4))
+            v = builder.and_(packed, splat(I8, 32, 15))
+            if fifth_bit:
+                high = _load(builder, row, builder.add(base, _c64(16)), vec(I8, 32))
+                high = builder.and_(builder.lshr(high, splat(I8, 32, j)), splat(I8, 32, 1))
+                v = builder.or_(v, builder.shl(high, splat(I8, 32, 4)))
+            vals.append(v)
+        out = []
+        for tok in toks:
+            x0 = builder.mul(b, _c64(256))
+            total = None
+            for j in range(8):
+                part = block_partials(
+                    builder, vals[j], tok.x32(builder, builder.add(x0, _c64(32 * j))), False
+                )
+                part = builder.mul(part, _splat_val(builder, sc[j], I32))
+                total = part if total is None else builder.add(total, part)
+            xd = builder.load(builder.gep(tok.xd, [b]))
+            # min term: dmin * xd * sum_j mn_j * (sum of the 32 activations of sub-block j)
+            sums = _load(builder, tok.isum, builder.mul(b, _c64(16)), vec(I32, 16))
+            pairs = builder.add(
+                builder.shuffle_vector(sums, sums, lanes(range(0, 16, 2))),
+                builder.shuffle_vector(sums, sums, lanes(range(1, 16, 2))),
+            )
+            mins = ir.Constant(_V8I, ir.Undefined)
+            for j in range(8):
+                mins = builder.insert_element(mins, mn[j], ir.Constant(I32, j))
+            msum = builder.sitofp(_hsum(builder, builder.mul(pairs, mins), I32), _F32)
+            extra = builder.fmul(builder.fmul(dmin, xd), builder.fsub(ir.Constant(_F32, 0.0), msum))
+            out.append((total, builder.fmul(d, xd), extra))
+        return out
+
+    return block, 256, block_bytes
+
+
+def _q6k(builder, row, base, b, toks):
+    """Q6_K: ql[128], qh[64], int8 scales[16], d; values 0..63 stored as q + 32."""
+    d = _f16(builder, row, builder.add(base, _c64(208)))
+    scales = builder.sext(
+        _load(builder, row, builder.add(base, _c64(192)), vec(I8, 16)), vec(I32, 16)
+    )
+    vals, lane_scales = [], []
+    for half in range(2):
+        for quarter in range(4):
+            lo = _load(
+                builder, row, builder.add(base, _c64(64 * half + 32 * (quarter % 2))), vec(I8, 32)
+            )
+            if quarter >= 2:
+                lo = builder.lshr(lo, splat(I8, 32, 4))
+            lo = builder.and_(lo, splat(I8, 32, 15))
+            hi = _load(builder, row, builder.add(base, _c64(128 + 32 * half)), vec(I8, 32))
+            hi = builder.and_(builder.lshr(hi, splat(I8, 32, 2 * quarter)), splat(I8, 32, 3))
+            vals.append(builder.or_(lo, builder.shl(hi, splat(I8, 32, 4))))
+            g = 8 * half + 2 * quarter  # lanes 0-3 hold values 0-15 (scale g), 4-7 the next 16
+            lane_scales.append(builder.shuffle_vector(scales, scales, lanes([g] * 4 + [g + 1] * 4)))
+    out = []
+    for tok in toks:
+        x0 = builder.mul(b, _c64(256))
+        total = None
+        for k in range(8):
+            part = block_partials(
+                builder, vals[k], tok.x32(builder, builder.add(x0, _c64(32 * k))), False
+            )
+            part = builder.mul(part, lane_scales[k])
+            total = part if total is None else builder.add(total, part)
+        xd = builder.load(builder.gep(tok.xd, [b]))
+        scale = builder.fmul(d, xd)
+        # offset: - 32 * sum_g scale_g * (sum of the 16 activations of group g)
+        sums = _load(builder, tok.isum, builder.mul(b, _c64(16)), vec(I32, 16))
+        corr = builder.sitofp(_hsum(builder, builder.mul(sums, scales), I32), _F32)
+        extra = builder.fmul(scale, builder.fmul(corr, ir.Constant(_F32, -32.0)))
+        out.append((total, scale, extra))
+    return out
+
+
+BLOCKS = {
+    "Q4_0": _b32(18, 2, offset=8),
+    "Q4_1": _b32(20, 4, has_min=True),
+    "Q5_0": _b32(22, 6, qh_at=2, offset=16),
+    "Q8_0": _b32(34, 2, signed=True),
+    "Q4_K": _k45(False),
+    "Q5_K": _k45(True),
+    "Q6_K": (_q6k, 256, 210),
+}
+
+
+# -- the row loop -------------------------------------------------------------------------------
+
+
+def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
+    @intrinsic
+    def rowdot(typingctx, row, xq, xd, xs, isum, t, n_blocks):
+        ret = types.float32 if n_tok == 1 else types.UniTuple(types.float32, n_tok)
+
+        def codegen(context, builder, sig, args):
+            row_v, t_v, nb_v = args[0], args[5], args[6]
+            rowp = context.make_array(sig.args[0])(context, builder, row_v).data
+            arrays = [
+                context.make_array(ty)(context, builder, v)
+                for ty, v in zip(sig.args[1:5], args[1:5], strict=True)
+            ]
+            toks = []
+            for k in range(n_tok):
+                tk = builder.add(t_v, _c64(k))
+                ptrs = []
+                for a in arrays:  # C-contiguous 2-D: row tk starts at tk * shape[1]
+                    cols = cgutils.unpack_tuple(builder, a.shape, 2)[1]
+                    ptrs.append(builder.gep(a.data, [builder.mul(tk, cols)]))
+                toks.append(_Tok(*ptrs))
+
+            pre = builder.block
+            loop = builder.append_basic_block("blocks")
+            done = builder.append_basic_block("blocks.done")
+            zero_v, zero = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_F32, 0.0)
+            builder.cbranch(builder.icmp_signed(">", nb_v, _c64(0)), loop, done)
+
+            builder.position_at_end(loop)
+            b = builder.phi(_I64)
+            accs = [builder.phi(_V8F) for _ in range(n_tok)]
+            extras = [builder.phi(_F32) for _ in range(n_tok)]
+            results = block(builder, rowp, builder.mul(b, _c64(block_bytes)), b, toks)
+            new_accs, new_extras = [], []
+            for k, (part, scale, extra) in enumerate(results):
+                prod = builder.fmul(builder.sitofp(part, _V8F), _splat_val(builder, scale, _F32))
+                new_accs.append(builder.fadd(accs[k], prod))
+                new_extras.append(builder.fadd(extras[k], extra))
+            b_next = builder.add(b, _c64(1))
+            end = builder.block
+            builder.cbranch(builder.icmp_signed("<", b_next, nb_v), loop, done)
+            b.add_incoming(_c64(0), pre)
+            b.add_incoming(b_next, end)
+            for phi, new in zip(accs + extras, new_accs + new_extras, strict=True):
+                phi.add_incoming(zero_v if phi.type == _V8F else zero, pre)
+                phi.add_incoming(new, end)
+
+            builder.position_at_end(done)
+            finals = []  # every phi first: LLVM wants them at the top of the block
+            for k in range(n_tok):
+                acc, extra = builder.phi(_V8F), builder.phi(_F32)
+                acc.add_incoming(zero_v, pre)
+                acc.add_incoming(new_accs[k], end)
+                extra.add_incoming(zero, pre)
+                extra.add_incoming(new_extras[k], end)
+                finals.append((acc, extra))
+            sums = [builder.fadd(_hsum(builder, acc), extra) for acc, extra in finals]
+            return sums[0] if n_tok == 1 else context.make_tuple(builder, sig.return_type, sums)
+
+        return ret(row, xq, xd, xs, isum, t, n_blocks), codegen
+
+    return rowdot
+
+
+# name -> (values per block, one-token rowdot, four-token rowdot)
+ROWDOT = {
+    name: (size, _make_rowdot(block, size, nbytes, 1), _make_rowdot(block, size, nbytes, 4))
+    for name, (block, size, nbytes) in BLOCKS.items()
+}
