@@ -62,6 +62,11 @@ class Backend(ABC):
     def matmul(self, x, w: Weight):
         """x [n, n_in] @ w.T -> [n, n_out], with the activation quantized as llama.cpp pairs it."""
 
+    def matmul_many(self, x, ws: list[Weight]) -> list:
+        """[matmul(x, w) for w in ws]; a backend may share the activation's quantization and
+        one launch among them (Q, K and V; gate and up)."""
+        return [self.matmul(x, w) for w in ws]
+
     @abstractmethod
     def embed(self, w: Weight, ids: np.ndarray):
         """Rows `ids` (int32 [n]) of an embedding matrix, dequantized: [n, n_in]."""

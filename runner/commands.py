@@ -193,3 +193,45 @@ def _print_stats(console, m) -> None:
         f"at {done.prefill_tps:.1f} tok/s · reply {len(done.tokens)} tokens at "
         f"{done.decode_tps:.1f} tok/s · context {m.cache.length}/{m.n_ctx}[/dim]"
     )
+
+
+@app.command()
+def bench(
+    model: Annotated[str, typer.Argument(help="GGUF path or registry name.")],
+    n_prompt: Annotated[
+        int, typer.Option("-p", "--n-prompt", min=0, help="Prompt tokens (pp).")
+    ] = 256,
+    n_gen: Annotated[int, typer.Option("-n", "--n-gen", min=0, help="Generated tokens (tg).")] = 64,
+    reps: Annotated[int, typer.Option("-r", "--repetitions", min=1)] = 3,
+    threads: Threads = None,
+    backend: BackendOpt = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Measure prompt processing and generation speed, as llama-bench does (mean ± sd)."""
+    from fastrun.runner.bench import run_bench
+
+    m = load_model(model, backend, max(n_prompt, n_gen) + 1, threads)
+    rows = run_bench(m, n_prompt, n_gen, reps)
+    import numba
+
+    info = {
+        "model": m.file.get("general.name") or model,
+        "size_mb": round(m.file.size / 1e6, 1),
+        "params_m": round(sum(t.n_elements for t in m.file.tensors.values()) / 1e6, 1),
+        "backend": m.backend.name,
+        "threads": numba.get_num_threads() if m.backend.name == "cpu" else None,
+    }
+    if as_json:
+        sys.stdout.write(json.dumps({**info, "results": rows}) + "\n")
+        return
+    from rich.table import Table
+
+    from fastrun.runner.cli import _render
+
+    table = Table("model", "size", "params", "backend", "threads", "test", "t/s")
+    for row in rows:
+        table.add_row(
+            str(info["model"]), f"{info['size_mb']} MB", f"{info['params_m']} M", info["backend"],
+            str(info["threads"]), row["test"], f"{row['mean']:.2f} ± {row['sd']:.2f}",
+        )  # fmt: skip
+    typer.echo(_render(table))

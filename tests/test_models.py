@@ -24,7 +24,10 @@ def test_cpu_matches_reference_end_to_end(tmp_path, arch, qtype):
     path = write_tiny_model(tmp_path / "m.gguf", arch=arch, qtype=qtype, tied=arch == "llama")
     ids = [5, 17, 200, 3, 99, 42, 7]
     cpu, ref = _logits(path, "cpu", ids), _logits(path, "reference", ids)
-    np.testing.assert_allclose(cpu, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+    # Float sums in another order flip a few 8-bit activation roundings (each worth 1/127 of
+    # a block's max); through two layers that stays near 1% of the logit range. A real bug is
+    # off by the whole range.
+    np.testing.assert_allclose(cpu, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
 
 
 def test_prefix_reuse_and_rollback_give_the_same_logits(tiny_model):

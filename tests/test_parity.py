@@ -139,3 +139,23 @@ for q in ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]:
     env = dict(os.environ, FASTRUN_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q8_0"), ("Q4_1", "Q4_K")])
+def test_matmul_many(backend, types):
+    rng = np.random.default_rng(11)
+    shapes = [(64, 512), (32, 512), (48, 512)][: len(types)]
+    raws = [random_blocks(q, o, i, rng) for q, (o, i) in zip(types, shapes, strict=False)]
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    got = backend.matmul_many(
+        dev(backend, x),
+        [
+            backend.load_weight(r, q, o, i)
+            for r, q, (o, i) in zip(raws, types, shapes, strict=False)
+        ],
+    )
+    for r, q, (o, i), g in zip(raws, types, shapes, got, strict=False):
+        expect = ref.matmul(x, ref.load_weight(r, q, o, i))
+        np.testing.assert_allclose(
+            host(backend, g), expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max()
+        )

@@ -70,6 +70,20 @@ class CPUBackend(Backend):
             return out
         return _quantized_matmul(w, x)
 
+    def matmul_many(self, x, ws):
+        fmt = ws[0].format
+        same = all(w.format.activation == fmt.activation and w.format.block_size == fmt.block_size
+                   for w in ws)  # fmt: skip
+        if not same or any(w.qtype not in matmul.FORMATS for w in ws):
+            return [self.matmul(x, w) for w in ws]
+        x = np.ascontiguousarray(x, np.float32)
+        xq, xd, xs, isum = activations.quantize_rows(x, fmt.activation)
+        outs = tuple(np.empty((x.shape[0], w.n_out), np.float32) for w in ws)
+        kernels = np.array([w.kernel for w in ws], np.int64)
+        raws = tuple(w.raw for w in ws)
+        matmul.matmul_q_many(raws, kernels, xq, xd, xs, isum, outs, fmt.block_size)
+        return list(outs)
+
     def embed(self, w, ids):
         rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])
         return dequantize(rows, w.qtype, rows.shape[0] * w.n_in).reshape(-1, w.n_in)

@@ -80,6 +80,33 @@ def matmul_q(w, xq, xd, xs, isum, out, fmt, block_size):
 
 
 @nb.njit(parallel=True, **_JIT)
+def matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size):
+    """Several weights (a tuple) of one activation format times the same activations: one
+    thread launch for, say, Q, K and V. fmts int64 [len(ws)]; outs a tuple of [n, n_out_i]."""
+    n, n_in = xq.shape
+    n_blocks = n_in // block_size
+    starts = np.zeros(len(ws) + 1, np.int64)  # first global row of each weight
+    for i in range(len(ws)):
+        starts[i + 1] = starts[i] + ws[i].shape[0]
+    for g in nb.prange(starts[len(ws)]):
+        i = 0
+        while g >= starts[i + 1]:
+            i += 1
+        o = g - starts[i]
+        row = ws[i][o]
+        out = outs[i]
+        fmt = fmts[i]
+        t = 0
+        while t + 4 <= n:
+            r = _row4(fmt, row, xq, xd, xs, isum, t, n_blocks)
+            out[t, o], out[t + 1, o], out[t + 2, o], out[t + 3, o] = r
+            t += 4
+        while t < n:
+            out[t, o] = _row1(fmt, row, xq, xd, xs, isum, t, n_blocks)
+            t += 1
+
+
+@nb.njit(parallel=True, **_JIT)
 def matmul_f32(w, x, out):
     """w float32 [n_out, n_in] times x [n, n_in]; fp16 weights arrive already widened."""
     n, n_in = x.shape

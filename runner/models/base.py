@@ -175,9 +175,7 @@ class Transformer:
     def _attention_block(self, x, layer: Layer, k_cache, v_cache, positions, n):
         b, c = self.backend, self.config
         h = b.rms_norm(x, layer.attn_norm, c.rms_eps)  # [n, d]
-        q = b.matmul(h, layer.wq)  # [n, h*hd]
-        k = b.matmul(h, layer.wk)  # [n, hk*hd]
-        v = b.matmul(h, layer.wv)  # [n, hk*hd]
+        q, k, v = b.matmul_many(h, [layer.wq, layer.wk, layer.wv])  # [n, h*hd], [n, hk*hd] x 2
         if layer.bq is not None:
             b.add_bias(q, layer.bq)
             b.add_bias(k, layer.bk)
@@ -191,5 +189,6 @@ class Transformer:
     def _ffn_block(self, x, layer: Layer):
         b, c = self.backend, self.config
         h = b.rms_norm(x, layer.ffn_norm, c.rms_eps)
-        gated = b.silu_mul(b.matmul(h, layer.w_gate), b.matmul(h, layer.w_up))  # [n, f]
+        gate, up = b.matmul_many(h, [layer.w_gate, layer.w_up])  # [n, f] each
+        gated = b.silu_mul(gate, up)
         return b.add(x, b.matmul(gated, layer.w_down))

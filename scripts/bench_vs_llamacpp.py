@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""fastrun against native llama.cpp (llama-bench) on the same models, in one run.
+
+    python scripts/bench_vs_llamacpp.py --llama-bench /path/to/llama-bench \\
+        smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+
+Build llama-bench from the llama.cpp sources vendored in the llama-cpp-python sdist
+(`pip download --no-binary :all: --no-deps llama-cpp-python`, unpack, then
+`cmake -S vendor/llama.cpp -B build -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release` and
+`cmake --build build --target llama-bench -j 2`). For benchmarking only, never in CI.
+
+Each model is measured by both tools back to back, `--rounds` times alternating, and the
+median of the rounds is reported with the ratio fastrun / llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def fastrun_bench(model: str, p: int, n: int, r: int, threads: int) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "fastrun.runner.cli", "bench", model, "-p", str(p), "-n", str(n),
+           "-r", str(r), "-t", str(threads), "--json"]  # fmt: skip
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return {row["test"]: row["mean"] for row in out["results"]}
+
+
+def llama_bench(binary: str, path: str, p: int, n: int, r: int, threads: int) -> dict[str, float]:
+    cmd = [binary, "-m", path, "-t", str(threads), "-p", str(p), "-n", str(n), "-r", str(r),
+           "-o", "json"]  # fmt: skip
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    result = {}
+    for row in rows:
+        test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        result[test] = row["avg_ts"]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("models", nargs="+", help="registry names or GGUF paths")
+    ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH", "llama-bench"))
+    ap.add_argument("-p", type=int, default=256)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per model")
+    args = ap.parse_args()
+
+    from fastrun.runner.registry import resolve_model
+
+    lines = [
+        "| model | test | fastrun t/s | llama.cpp t/s | ratio |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for model in args.models:
+        path = str(resolve_model(model))
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(fastrun_bench(model, args.p, args.n, args.r, args.threads))
+            theirs.append(llama_bench(args.llama_bench, path, args.p, args.n, args.r, args.threads))
+        for test in (f"pp{args.p}", f"tg{args.n}"):
+            a = statistics.median(o[test] for o in ours)
+            b = statistics.median(t[test] for t in theirs)
+            lines.append(f"| {model} | {test} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+        print("\n".join(lines), flush=True)
+        print()
+
+
+if __name__ == "__main__":
+    main()
