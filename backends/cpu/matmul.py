@@ -15,6 +15,31 @@ import numpy as np
 
 from fastrun.backends.cpu.rowdot import ROWDOT
 
+
+def _drop_stale_cache() -> None:
+    """Numba keys this file's cached kernels on this file alone; the IR they inline comes from
+    rowdot.py and simd.py, so a change there must drop the cache too."""
+    import hashlib
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("rowdot.py", "simd.py")))
+    stamp = here / "__pycache__" / "matmul.kernels.sha256"
+    try:
+        if stamp.exists() and stamp.read_text() == digest.hexdigest():
+            return
+        for old in list(stamp.parent.glob("matmul.*.nbi")) + list(
+            stamp.parent.glob("matmul.*.nbc")
+        ):
+            old.unlink()
+        stamp.parent.mkdir(exist_ok=True)
+        stamp.write_text(digest.hexdigest())
+    except OSError:
+        pass  # a read-only install: Numba then caches elsewhere, or not at all
+
+
+_drop_stale_cache()
+
 _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
 
 # Quantized formats of the integer kernel; `fmt` below indexes this tuple.

@@ -53,6 +53,18 @@ def rope(x, positions, n_dims, freq_base, freq_scale, neox, freq_factors):
                 x[t, h, b_at] = a * sin[i] + b * cos[i]
 
 
+@nb.njit(**_JIT)
+def kv_store(k_cache, v_cache, k, v, slots):
+    """k, v [n, hk, hd] into cache rows `slots`, rounded to fp16 as llama.cpp's f16 cache."""
+    n, hk, hd = k.shape
+    for t in range(n):
+        s = slots[t]
+        for h in range(hk):
+            for i in range(hd):
+                k_cache[s, h, i] = f16_round(k[t, h, i])
+                v_cache[s, h, i] = f16_round(v[t, h, i])
+
+
 @nb.njit(parallel=True, **_JIT)
 def silu_mul(gate, up, out):
     n, f = gate.shape

@@ -125,8 +125,12 @@ def _k45(fifth_bit: bool):
         d = _f16(builder, row, base)
         dmin = _f16(builder, row, builder.add(base, _c64(2)))
         sc, mn = _k_scales(builder, row, builder.add(base, _c64(4)))
-        vals = []
+        mins = ir.Constant(_V8I, ir.Undefined)
         for j in range(8):
+            mins = builder.insert_element(mins, mn[j], ir.Constant(I32, j))
+        x0 = builder.mul(b, _c64(256))
+        totals = [None] * len(toks)
+        for j in range(8):  # sub-block outer, tokens inner: one unpacked vector live at a time
             packed = _load(
                 builder, row, builder.add(base, _c64(qs_at + 32 * (j // 2))), vec(I8, 32)
             )
@@ -137,17 +141,13 @@ def _k45(fifth_bit: bool):
                 high = _load(builder, row, builder.add(base, _c64(16)), vec(I8, 32))
                 high = builder.and_(builder.lshr(high, splat(I8, 32, j)), splat(I8, 32, 1))
                 v = builder.or_(v, builder.shl(high, splat(I8, 32, 4)))
-            vals.append(v)
+            scale_j = _splat_val(builder, sc[j], I32)
+            for k, tok in enumerate(toks):
+                xv = tok.x32(builder, builder.add(x0, _c64(32 * j)))
+                part = builder.mul(block_partials(builder, v, xv, False), scale_j)
+                totals[k] = part if totals[k] is None else builder.add(totals[k], part)
         out = []
-        for tok in toks:
-            x0 = builder.mul(b, _c64(256))
-            total = None
-            for j in range(8):
-                part = block_partials(
-                    builder, vals[j], tok.x32(builder, builder.add(x0, _c64(32 * j))), False
-                )
-                part = builder.mul(part, _splat_val(builder, sc[j], I32))
-                total = part if total is None else builder.add(total, part)
+        for k, tok in enumerate(toks):
             xd = builder.load(builder.gep(tok.xd, [b]))
             # min term: dmin * xd * sum_j mn_j * (sum of the 32 activations of sub-block j)
             sums = _load(builder, tok.isum, builder.mul(b, _c64(16)), vec(I32, 16))
@@ -155,12 +155,9 @@ def _k45(fifth_bit: bool):
                 builder.shuffle_vector(sums, sums, lanes(range(0, 16, 2))),
                 builder.shuffle_vector(sums, sums, lanes(range(1, 16, 2))),
             )
-            mins = ir.Constant(_V8I, ir.Undefined)
-            for j in range(8):
-                mins = builder.insert_element(mins, mn[j], ir.Constant(I32, j))
             msum = builder.sitofp(_hsum(builder, builder.mul(pairs, mins), I32), _F32)
             extra = builder.fmul(builder.fmul(dmin, xd), builder.fsub(ir.Constant(_F32, 0.0), msum))
-            out.append((total, builder.fmul(d, xd), extra))
+            out.append((totals[k], builder.fmul(d, xd), extra))
         return out
 
     return block, 256, block_bytes
@@ -172,9 +169,10 @@ def _q6k(builder, row, base, b, toks):
     scales = builder.sext(
         _load(builder, row, builder.add(base, _c64(192)), vec(I8, 16)), vec(I32, 16)
     )
-    vals, lane_scales = [], []
+    x0 = builder.mul(b, _c64(256))
+    totals = [None] * len(toks)
     for half in range(2):
-        for quarter in range(4):
+        for quarter in range(4):  # values outer, tokens inner: one unpacked vector live at a time
             lo = _load(
                 builder, row, builder.add(base, _c64(64 * half + 32 * (quarter % 2))), vec(I8, 32)
             )
@@ -183,26 +181,23 @@ def _q6k(builder, row, base, b, toks):
             lo = builder.and_(lo, splat(I8, 32, 15))
             hi = _load(builder, row, builder.add(base, _c64(128 + 32 * half)), vec(I8, 32))
             hi = builder.and_(builder.lshr(hi, splat(I8, 32, 2 * quarter)), splat(I8, 32, 3))
-            vals.append(builder.or_(lo, builder.shl(hi, splat(I8, 32, 4))))
+            v = builder.or_(lo, builder.shl(hi, splat(I8, 32, 4)))
             g = 8 * half + 2 * quarter  # lanes 0-3 hold values 0-15 (scale g), 4-7 the next 16
-            lane_scales.append(builder.shuffle_vector(scales, scales, lanes([g] * 4 + [g + 1] * 4)))
+            lane_scales = builder.shuffle_vector(scales, scales, lanes([g] * 4 + [g + 1] * 4))
+            k32 = 4 * half + quarter
+            for k, tok in enumerate(toks):
+                xv = tok.x32(builder, builder.add(x0, _c64(32 * k32)))
+                part = builder.mul(block_partials(builder, v, xv, False), lane_scales)
+                totals[k] = part if totals[k] is None else builder.add(totals[k], part)
     out = []
-    for tok in toks:
-        x0 = builder.mul(b, _c64(256))
-        total = None
-        for k in range(8):
-            part = block_partials(
-                builder, vals[k], tok.x32(builder, builder.add(x0, _c64(32 * k))), False
-            )
-            part = builder.mul(part, lane_scales[k])
-            total = part if total is None else builder.add(total, part)
+    for k, tok in enumerate(toks):
         xd = builder.load(builder.gep(tok.xd, [b]))
         scale = builder.fmul(d, xd)
         # offset: - 32 * sum_g scale_g * (sum of the 16 activations of group g)
         sums = _load(builder, tok.isum, builder.mul(b, _c64(16)), vec(I32, 16))
         corr = builder.sitofp(_hsum(builder, builder.mul(sums, scales), I32), _F32)
         extra = builder.fmul(scale, builder.fmul(corr, ir.Constant(_F32, -32.0)))
-        out.append((total, scale, extra))
+        out.append((totals[k], scale, extra))
     return out
 
 
