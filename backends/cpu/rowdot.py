@@ -215,6 +215,33 @@ BLOCKS = {
 # -- the row loop -------------------------------------------------------------------------------
 
 
+def _counted_loop(builder, start, stop, step, init, body):
+    """for i in range(start, stop, step): values = body(i, values); returns the final values
+    (`init` when the loop runs zero times)."""
+    pre = builder.block
+    loop = builder.append_basic_block("loop")
+    after = builder.append_basic_block("loop.done")
+    builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
+    builder.position_at_end(loop)
+    i = builder.phi(_I64)
+    phis = [builder.phi(v.type) for v in init]
+    new = body(i, phis)
+    i_next = builder.add(i, _c64(step))
+    end = builder.block
+    builder.cbranch(builder.icmp_signed("<", i_next, stop), loop, after)
+    i.add_incoming(start, pre)
+    i.add_incoming(i_next, end)
+    for phi, v0, v1 in zip(phis, init, new, strict=True):
+        phi.add_incoming(v0, pre)
+        phi.add_incoming(v1, end)
+    builder.position_at_end(after)
+    outs = [builder.phi(v.type) for v in init]
+    for out, v0, v1 in zip(outs, init, new, strict=True):
+        out.add_incoming(v0, pre)
+        out.add_incoming(v1, end)
+    return outs
+
+
 def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
     @intrinsic
     def rowdot(typingctx, row, xq, xd, xs, isum, t, n_blocks):
@@ -236,41 +263,43 @@ def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
                     ptrs.append(builder.gep(a.data, [builder.mul(tk, cols)]))
                 toks.append(_Tok(*ptrs))
 
-            pre = builder.block
-            loop = builder.append_basic_block("blocks")
-            done = builder.append_basic_block("blocks.done")
+            def step(bi, carried, lane):
+                """Accumulate block bi into accumulator set `lane` of carried."""
+                out = list(carried)
+                results = block(builder, rowp, builder.mul(bi, _c64(block_bytes)), bi, toks)
+                for k, (part, scale, extra) in enumerate(results):
+                    at = 2 * (lane * n_tok + k)
+                    prod = builder.fmul(
+                        builder.sitofp(part, _V8F), _splat_val(builder, scale, _F32)
+                    )
+                    out[at] = builder.fadd(out[at], prod)
+                    out[at + 1] = builder.fadd(out[at + 1], extra)
+                return out
+
+            # One token has little work per block: unroll by `sets` with independent
+            # accumulators so the float additions do not wait on each other.
+            sets = 2 if n_tok == 1 else 1
             zero_v, zero = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_F32, 0.0)
-            builder.cbranch(builder.icmp_signed(">", nb_v, _c64(0)), loop, done)
+            init = [zero_v, zero] * (sets * n_tok)
+            main_stop = builder.mul(builder.sdiv(nb_v, _c64(sets)), _c64(sets))
 
-            builder.position_at_end(loop)
-            b = builder.phi(_I64)
-            accs = [builder.phi(_V8F) for _ in range(n_tok)]
-            extras = [builder.phi(_F32) for _ in range(n_tok)]
-            results = block(builder, rowp, builder.mul(b, _c64(block_bytes)), b, toks)
-            new_accs, new_extras = [], []
-            for k, (part, scale, extra) in enumerate(results):
-                prod = builder.fmul(builder.sitofp(part, _V8F), _splat_val(builder, scale, _F32))
-                new_accs.append(builder.fadd(accs[k], prod))
-                new_extras.append(builder.fadd(extras[k], extra))
-            b_next = builder.add(b, _c64(1))
-            end = builder.block
-            builder.cbranch(builder.icmp_signed("<", b_next, nb_v), loop, done)
-            b.add_incoming(_c64(0), pre)
-            b.add_incoming(b_next, end)
-            for phi, new in zip(accs + extras, new_accs + new_extras, strict=True):
-                phi.add_incoming(zero_v if phi.type == _V8F else zero, pre)
-                phi.add_incoming(new, end)
+            def unrolled(bi, carried):
+                for lane in range(sets):
+                    carried = step(builder.add(bi, _c64(lane)), carried, lane)
+                return carried
 
-            builder.position_at_end(done)
-            finals = []  # every phi first: LLVM wants them at the top of the block
+            carried = _counted_loop(builder, _c64(0), main_stop, sets, init, unrolled)
+            if sets > 1:
+                carried = _counted_loop(
+                    builder, main_stop, nb_v, 1, carried, lambda bi, c: step(bi, c, 0)
+                )
+            sums = []
             for k in range(n_tok):
-                acc, extra = builder.phi(_V8F), builder.phi(_F32)
-                acc.add_incoming(zero_v, pre)
-                acc.add_incoming(new_accs[k], end)
-                extra.add_incoming(zero, pre)
-                extra.add_incoming(new_extras[k], end)
-                finals.append((acc, extra))
-            sums = [builder.fadd(_hsum(builder, acc), extra) for acc, extra in finals]
+                acc, extra = carried[2 * k], carried[2 * k + 1]
+                for lane in range(1, sets):
+                    acc = builder.fadd(acc, carried[2 * (lane * n_tok + k)])
+                    extra = builder.fadd(extra, carried[2 * (lane * n_tok + k) + 1])
+                sums.append(builder.fadd(_hsum(builder, acc), extra))
             return sums[0] if n_tok == 1 else context.make_tuple(builder, sig.return_type, sums)
 
         return ret(row, xq, xd, xs, isum, t, n_blocks), codegen
