@@ -105,6 +105,15 @@ def test_chat_in_a_terminal(smollm2_path):
                          "-n", "400"],
         encoding="utf-8", timeout=120, dimensions=(40, 200),
     )  # fmt: skip
+    try:
+        _chat_session(child, pexpect)
+    except (pexpect.EOF, pexpect.TIMEOUT) as e:
+        raise AssertionError(
+            f"chat session ended unexpectedly; last output:\n{child.before}"
+        ) from e
+
+
+def _chat_session(child, pexpect):
     child.expect(">>> ")
     child.sendline("What is the capital of France?")
     child.expect(">>> ")

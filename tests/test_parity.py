@@ -159,3 +159,34 @@ def test_matmul_many(backend, types):
         np.testing.assert_allclose(
             host(backend, g), expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max()
         )
+
+
+def test_kernels_use_vector_instructions():
+    """The compiled matmul really holds the SIMD dot product (vpmaddubsw on AVX2 hosts)."""
+    from fastrun.backends.cpu import matmul, simd
+
+    get_backend("cpu").matmul(
+        np.ones((1, 256), np.float32),
+        get_backend("cpu").load_weight(
+            random_blocks("Q4_K", 2, 256, np.random.default_rng(0)), "Q4_K", 2, 256
+        ),
+    )
+    asm = "".join(matmul.qmatmul.inspect_asm().values())
+    assert "ymm" in asm or not simd.HAS_AVX2
+    if simd.HAS_AVX2:
+        assert "vpmaddubsw" in asm and "vpmaddwd" in asm
+
+
+def test_results_do_not_depend_on_thread_count(tiny_model):
+    import numba
+
+    from fastrun.runner.api import Model
+
+    m = Model(tiny_model, n_ctx=64)
+    ids = list(range(3, 40))
+    runs = []
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        runs.append(m.transformer.forward(ids, m.transformer.new_cache(64), all_logits=True))
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    np.testing.assert_array_equal(runs[0], runs[1])

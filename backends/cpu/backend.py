@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastrun.backends.base import Backend, RopeConfig, Weight
-from fastrun.backends.cpu import activations, matmul, ops
+from fastrun.backends.cpu import matmul, ops
 from fastrun.formats.errors import FastrunError
 from fastrun.quant import dequantize
 from fastrun.quant.formats import block_format
@@ -30,13 +30,6 @@ class CPUWeight(Weight):
             raise FastrunError(f"the CPU backend has no matmul for {qtype} weights")
 
 
-def _quantized_matmul(w: CPUWeight, x: np.ndarray) -> np.ndarray:
-    xq, xd, xs, isum = activations.quantize_rows(x, w.format.activation)
-    out = np.empty((x.shape[0], w.n_out), np.float32)
-    matmul.matmul_q(w.raw, xq, xd, xs, isum, out, w.kernel, w.format.block_size)
-    return out
-
-
 def physical_cores() -> int:
     """Physical cores this process may run on (hyper-threads share a core's SIMD units)."""
     import glob
@@ -52,6 +45,25 @@ def physical_cores() -> int:
     return len(cores) or os.cpu_count() or 1
 
 
+class _Group:
+    """Weights multiplied by the same activations (Q, K, V): shared quantization if their
+    formats pair with the same activation format."""
+
+    def __init__(self, ws: list[CPUWeight]):
+        self.ws = list(ws)  # held, so their ids (the cache key) cannot be reused
+        fmt = ws[0].format
+        same = all(
+            w.format.activation == fmt.activation and w.format.block_size == fmt.block_size
+            for w in ws
+        )
+        self.kernels = None
+        if same and all(w.qtype in matmul.FORMATS for w in ws):
+            self.kernels = np.array([w.kernel for w in ws], np.int64)
+            self.raws = tuple(w.raw for w in ws)
+            self.block_size = fmt.block_size
+            self.q8k = fmt.activation == "Q8_K"
+
+
 class CPUBackend(Backend):
     """Numba kernels. Threads: OpenMP is preferred among Numba's threading layers for its
     lower cost per parallel region (about 3 us measured); TBB, then workqueue, otherwise."""
@@ -62,6 +74,7 @@ class CPUBackend(Backend):
         import numba
 
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+        self._groups: dict[tuple[int, ...], _Group] = {}
         threads = threads or physical_cores()
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
 
@@ -87,21 +100,19 @@ class CPUBackend(Backend):
             out = np.empty((x.shape[0], w.n_out), np.float32)
             matmul.matmul_f32(w.dense, x, out)
             return out
-        return _quantized_matmul(w, x)
+        return matmul.qmatmul(
+            w.raw, x, w.kernel, w.format.block_size, w.format.activation == "Q8_K"
+        )
 
     def matmul_many(self, x, ws):
-        fmt = ws[0].format
-        same = all(w.format.activation == fmt.activation and w.format.block_size == fmt.block_size
-                   for w in ws)  # fmt: skip
-        if not same or any(w.qtype not in matmul.FORMATS for w in ws):
+        key = tuple(id(w) for w in ws)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(ws)
+        if group.kernels is None:
             return [self.matmul(x, w) for w in ws]
         x = np.ascontiguousarray(x, np.float32)
-        xq, xd, xs, isum = activations.quantize_rows(x, fmt.activation)
-        outs = tuple(np.empty((x.shape[0], w.n_out), np.float32) for w in ws)
-        kernels = np.array([w.kernel for w in ws], np.int64)
-        raws = tuple(w.raw for w in ws)
-        matmul.matmul_q_many(raws, kernels, xq, xd, xs, isum, outs, fmt.block_size)
-        return list(outs)
+        return matmul.qmatmul_many(group.raws, x, group.kernels, group.block_size, group.q8k)
 
     def embed(self, w, ids):
         rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])

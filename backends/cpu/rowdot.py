@@ -50,6 +50,13 @@ def _splat_val(builder, value, ty, n=8):
     return builder.shuffle_vector(first, undef, ir.Constant(vec(I32, n), [0] * n))
 
 
+def _hsum_f8(builder, v):
+    """Sum of 8 float lanes in llama.cpp's hsum_float_8 order: ((0+4)+(2+6)) + ((1+5)+(3+7))."""
+    a = [builder.extract_element(v, ir.Constant(I32, i)) for i in range(8)]
+    b = [builder.fadd(a[i], a[i + 4]) for i in range(4)]
+    return builder.fadd(builder.fadd(b[0], b[2]), builder.fadd(b[1], b[3]))
+
+
 def _hsum(builder, v, ty=_F32):
     n = v.type.count
     items = [builder.extract_element(v, ir.Constant(I32, i)) for i in range(n)]
@@ -81,17 +88,17 @@ def _b32(block_bytes, qs_at, qh_at=-1, offset=0, has_min=False, signed=False):
         else:
             qh = _load(builder, row, builder.add(base, _c64(qh_at)), I32) if qh_at >= 0 else None
             vals = unpack_nibbles32(builder, qs, qh)
+            if offset:  # as llama.cpp: subtract in int8, then the signed product
+                vals = builder.sub(vals, splat(I8, 32, offset))
         m = _f16(builder, row, builder.add(base, _c64(2))) if has_min else None
         out = []
         for tok in toks:
-            part = block_partials(builder, vals, tok.x32(builder, builder.mul(b, _c64(32))), signed)
+            xv = tok.x32(builder, builder.mul(b, _c64(32)))
+            part = block_partials(builder, vals, xv, signed or bool(offset))
             scale = builder.fmul(d, builder.load(builder.gep(tok.xd, [b])))
             extra = ir.Constant(_F32, 0.0)
             if has_min:  # Q4_1: + m * s, s the activation's fp16 scaled block sum
                 extra = builder.fmul(m, builder.load(builder.gep(tok.xs, [b])))
-            elif offset:  # stored values are q + offset
-                isum = builder.sitofp(builder.load(builder.gep(tok.isum, [b])), _F32)
-                extra = builder.fmul(isum, builder.fmul(scale, ir.Constant(_F32, -offset)))
             out.append((part, scale, extra))
         return out
 
@@ -276,9 +283,9 @@ def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
                     out[at + 1] = builder.fadd(out[at + 1], extra)
                 return out
 
-            # One token has little work per block: unroll by `sets` with independent
-            # accumulators so the float additions do not wait on each other.
-            sets = 2 if n_tok == 1 else 1
+            # One accumulator per token, blocks in order, FMA: llama.cpp's summation order,
+            # which keeps results close to its own (the model is sensitive to rounding).
+            sets = 1
             zero_v, zero = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_F32, 0.0)
             init = [zero_v, zero] * (sets * n_tok)
             main_stop = builder.mul(builder.sdiv(nb_v, _c64(sets)), _c64(sets))
@@ -299,7 +306,7 @@ def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
                 for lane in range(1, sets):
                     acc = builder.fadd(acc, carried[2 * (lane * n_tok + k)])
                     extra = builder.fadd(extra, carried[2 * (lane * n_tok + k) + 1])
-                sums.append(builder.fadd(_hsum(builder, acc), extra))
+                sums.append(builder.fadd(_hsum_f8(builder, acc), extra))
             return sums[0] if n_tok == 1 else context.make_tuple(builder, sig.return_type, sums)
 
         return ret(row, xq, xd, xs, isum, t, n_blocks), codegen
