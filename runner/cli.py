@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     _load_commands()
     command = typer.main.get_command(app)
     try:
-        command.main(args=argv, prog_name="fastrun", standalone_mode=False)
+        code = command.main(args=argv, prog_name="fastrun", standalone_mode=False)
+        if isinstance(code, int):  # typer returns Exit codes (130 on Ctrl-C) in this mode
+            return code
     except typer.Exit as e:
         return e.exit_code
     except click_errors.NoArgsIsHelpError as e:

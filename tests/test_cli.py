@@ -137,3 +137,17 @@ def _chat_session(child, pexpect):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_run_ctrl_c_exits_130(smollm2_path):
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "fastrun.runner.cli", "run", str(smollm2_path), "Once upon a time", "-n", "2000"],
+        encoding="utf-8", timeout=120,
+    )  # fmt: skip
+    child.expect(r"\w+ \w+ \w+")  # streaming has begun
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130

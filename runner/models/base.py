@@ -76,6 +76,15 @@ class TransformerConfig:
         )
 
 
+def _caused_by_interrupt(error: BaseException) -> bool:
+    seen = error
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class Layer:
     """Weights of one transformer block (backend handles)."""
 
@@ -152,8 +161,11 @@ class Transformer:
                     outputs.append(self._forward_chunk(chunk, cache, all_logits))
                 else:
                     self._forward_chunk(chunk, cache, None)
-        except BaseException:  # Ctrl-C mid-pass: the cache must not claim unfinished tokens
+        except BaseException as e:  # Ctrl-C mid-pass: the cache must not claim unfinished tokens
             cache.trim(length)
+            if isinstance(e, SystemError) and _caused_by_interrupt(e):
+                # Ctrl-C while a compiled kernel returns surfaces as SystemError
+                raise KeyboardInterrupt from None
             raise
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
 
