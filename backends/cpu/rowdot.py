@@ -19,7 +19,16 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fastrun.backends.cpu.simd import I8, I32, block_partials, lanes, splat, unpack_nibbles32, vec
+from fastrun.backends.cpu.simd import (
+    I8,
+    I16,
+    I32,
+    block_partials,
+    lanes,
+    splat,
+    unpack_nibbles32,
+    vec,
+)
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -148,10 +157,10 @@ def _k45(fifth_bit: bool):
                 high = _load(builder, row, builder.add(base, _c64(16)), vec(I8, 32))
                 high = builder.and_(builder.lshr(high, splat(I8, 32, j)), splat(I8, 32, 1))
                 v = builder.or_(v, builder.shl(high, splat(I8, 32, 4)))
-            scale_j = _splat_val(builder, sc[j], I32)
+            scale_j = _splat_val(builder, builder.trunc(sc[j], I16), I16, 16)
             for k, tok in enumerate(toks):
                 xv = tok.x32(builder, builder.add(x0, _c64(32 * j)))
-                part = builder.mul(block_partials(builder, v, xv, False), scale_j)
+                part = block_partials(builder, v, xv, False, scale_j)
                 totals[k] = part if totals[k] is None else builder.add(totals[k], part)
         out = []
         for k, tok in enumerate(toks):
@@ -173,9 +182,9 @@ def _k45(fifth_bit: bool):
 def _q6k(builder, row, base, b, toks):
     """Q6_K: ql[128], qh[64], int8 scales[16], d; values 0..63 stored as q + 32."""
     d = _f16(builder, row, builder.add(base, _c64(208)))
-    scales = builder.sext(
-        _load(builder, row, builder.add(base, _c64(192)), vec(I8, 16)), vec(I32, 16)
-    )
+    scales8 = _load(builder, row, builder.add(base, _c64(192)), vec(I8, 16))
+    scales = builder.sext(scales8, vec(I32, 16))
+    scales16 = builder.sext(scales8, vec(I16, 16))
     x0 = builder.mul(b, _c64(256))
     totals = [None] * len(toks)
     for half in range(2):
@@ -190,11 +199,11 @@ def _q6k(builder, row, base, b, toks):
             hi = builder.and_(builder.lshr(hi, splat(I8, 32, 2 * quarter)), splat(I8, 32, 3))
             v = builder.or_(lo, builder.shl(hi, splat(I8, 32, 4)))
             g = 8 * half + 2 * quarter  # lanes 0-3 hold values 0-15 (scale g), 4-7 the next 16
-            lane_scales = builder.shuffle_vector(scales, scales, lanes([g] * 4 + [g + 1] * 4))
+            lane_scales = builder.shuffle_vector(scales16, scales16, lanes([g] * 8 + [g + 1] * 8))
             k32 = 4 * half + quarter
             for k, tok in enumerate(toks):
                 xv = tok.x32(builder, builder.add(x0, _c64(32 * k32)))
-                part = builder.mul(block_partials(builder, v, xv, False), lane_scales)
+                part = block_partials(builder, v, xv, False, lane_scales)
                 totals[k] = part if totals[k] is None else builder.add(totals[k], part)
     out = []
     for k, tok in enumerate(toks):

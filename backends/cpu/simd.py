@@ -39,9 +39,10 @@ def _intrinsic_fn(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
-def block_partials(builder, w, x, signed: bool):
+def block_partials(builder, w, x, signed: bool, scales16=None):
     """<32 x i8> weights . <32 x i8> activations as eight int32 partial sums (<8 x i32>);
-    lane i holds products 4i..4i+3.
+    lane i holds products 4i..4i+3, times scales16[2i] (a <16 x i16> whose pairs are equal)
+    when given: llama.cpp applies K-quant sub-block scales inside vpmaddwd this way.
 
     Unsigned weights must be < 128; signed ones use llama.cpp's trick |w| . (x with w's sign).
     """
@@ -58,11 +59,17 @@ def block_partials(builder, w, x, signed: bool):
         )
         maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
         pairs = builder.call(maddubs, [w, x])  # cannot saturate: |w| <= 128, |x| <= 127
-        return builder.call(maddwd, [pairs, splat(I16, 16, 1)])
+        return builder.call(
+            maddwd, [pairs, scales16 if scales16 is not None else splat(I16, 16, 1)]
+        )
     widen = builder.sext if signed else builder.zext
     products = builder.mul(widen(w, vec(I32, 32)), builder.sext(x, vec(I32, 32)))
     parts = [builder.shuffle_vector(products, products, lanes(range(k, 32, 4))) for k in range(4)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    folded = builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+    if scales16 is None:
+        return folded
+    per_lane = builder.shuffle_vector(scales16, scales16, lanes(range(0, 16, 2)))
+    return builder.mul(folded, builder.sext(per_lane, vec(I32, 8)))
 
 
 def unpack_nibbles32(builder, ptr, qh=None):
