@@ -70,18 +70,24 @@ def quantize_q8_k(x, xq, xd, bsums):
             xd[t, b] = np.float32(1) / iscale
 
 
-def quantize_rows(x: np.ndarray, fmt: str):
-    """Quantize activation rows x [n, k] float32 into the arrays the dot kernels take:
-    (xq int8 [n, k], xd scales, xs scaled block sums, isum integer block sums)."""
+@nb.njit(**_JIT)
+def quantize(x, q8k):
+    """Activations as the dot kernels take them: (xq int8 [n, k], xd scales, xs scaled block
+    sums, isum integer block sums); Q8_K when q8k, else Q8_0/Q8_1."""
     n, k = x.shape
     xq = np.empty((n, k), np.int8)
-    if fmt == "Q8_K":
+    if q8k:
         xd = np.empty((n, k // 256), np.float32)
-        bsums = np.empty((n, k // 16), np.int32)
-        quantize_q8_k(x, xq, xd, bsums)
-        return xq, xd, xd, bsums  # no scaled sums for Q8_K: same array types, one signature
+        isum = np.empty((n, k // 16), np.int32)
+        quantize_q8_k(x, xq, xd, isum)
+        return xq, xd, xd, isum  # no scaled sums for Q8_K: same array types, one signature
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 32), np.float32)
     isum = np.empty((n, k // 32), np.int32)
     quantize_q8_0(x, xq, xd, xs, isum)
     return xq, xd, xs, isum
+
+
+def quantize_rows(x: np.ndarray, fmt: str):
+    """quantize() by activation format name (Q8_0, Q8_1 or Q8_K)."""
+    return quantize(np.ascontiguousarray(x, np.float32), fmt == "Q8_K")

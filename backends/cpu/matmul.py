@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from fastrun.backends.cpu.activations import quantize_q8_0, quantize_q8_k
+from fastrun.backends.cpu.activations import quantize
 from fastrun.backends.cpu.rowdot import ROWDOT
 
 
@@ -133,27 +133,10 @@ def matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size):
 
 
 @nb.njit(**_JIT)
-def _quantize(x, q8k):
-    """Activations as the dot kernels take them: (xq, xd, xs, isum); Q8_K when q8k."""
-    n, k = x.shape
-    xq = np.empty((n, k), np.int8)
-    if q8k:
-        xd = np.empty((n, k // 256), np.float32)
-        isum = np.empty((n, k // 16), np.int32)
-        quantize_q8_k(x, xq, xd, isum)
-        return xq, xd, xd, isum
-    xd = np.empty((n, k // 32), np.float32)
-    xs = np.empty((n, k // 32), np.float32)
-    isum = np.empty((n, k // 32), np.int32)
-    quantize_q8_0(x, xq, xd, xs, isum)
-    return xq, xd, xs, isum
-
-
-@nb.njit(**_JIT)
 def qmatmul(w, x, fmt, block_size, q8k):
     """x float32 [n, n_in] times weight rows w of FORMATS[fmt]: quantize, multiply, in one
     call from Python (a decode step makes hundreds of these)."""
-    xq, xd, xs, isum = _quantize(x, q8k)
+    xq, xd, xs, isum = quantize(x, q8k)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     matmul_q(w, xq, xd, xs, isum, out, fmt, block_size)
     return out
@@ -162,7 +145,7 @@ def qmatmul(w, x, fmt, block_size, q8k):
 @nb.njit(**_JIT)
 def qmatmul_many(ws, x, fmts, block_size, q8k):
     """Several weights sharing one activation format: one quantization, one thread launch."""
-    xq, xd, xs, isum = _quantize(x, q8k)
+    xq, xd, xs, isum = quantize(x, q8k)
     outs = [np.empty((x.shape[0], ws[i].shape[0]), np.float32) for i in range(len(ws))]
     matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size)
     return outs
