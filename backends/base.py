@@ -50,7 +50,7 @@ class Backend(ABC):
 
     @abstractmethod
     def zeros(self, shape: tuple[int, ...]):
-        """A float32 array of zeros on the backend (KV cache storage)."""
+        """KV cache storage of zeros: float32, or the backend's cache type (fp16 on CUDA)."""
 
     @abstractmethod
     def to_host(self, x) -> np.ndarray:
@@ -98,6 +98,34 @@ class Backend(ABC):
         """Store k, v [n, hk, hd] at cache slots (int32 [n]) of k_cache, v_cache [c, hk, hd]."""
 
     @abstractmethod
-    def attention(self, q, k_cache, v_cache, positions: np.ndarray, scale: float):
+    def attention(self, q, k_cache, v_cache, positions: np.ndarray, scale: float, starts=None):
         """Causal attention: query i [h, hd] of q [n, h, hd] attends to cache slots
-        0..positions[i]; heads share kv heads in groups of h // hk. Returns [n, h * hd]."""
+        starts[i] + 0..positions[i] (starts: int32 [n], the first slot of each query's
+        sequence; None: all 0); heads share kv heads in groups of h // hk. Returns [n, h * hd]."""
+
+    # -- fused steps: the defaults compose the operations above; a backend may do each in one
+    # pass (the CUDA backend does, to cut kernel launches per token) --------------------------
+
+    def norm_matmul_many(self, x, weight, eps: float, ws: list[Weight]) -> list:
+        """matmul_many(rms_norm(x, weight, eps), ws)."""
+        return self.matmul_many(self.rms_norm(x, weight, eps), ws)
+
+    def matmul_add(self, x, w: Weight, residual):
+        """residual + x @ w.T, written into residual [n, n_out]; returns residual."""
+        return self.add(residual, self.matmul(x, w))
+
+    def silu_mul_matmul_add(self, gate, up, w: Weight, residual):
+        """residual + (silu(gate) * up) @ w.T, written into residual; returns residual."""
+        return self.add(residual, self.matmul(self.silu_mul(gate, up), w))
+
+    def attention_inputs(self, q, k, v, biases, k_cache, v_cache, positions, slots, rope):
+        """Prepare one layer's attention: add the biases ((bq, bk, bv) or None) to q [n, h*hd],
+        k and v [n, hk*hd], rotate q and k, store k and v at cache slots (int32 [n]).
+        Returns the rotated q [n, h, hd]."""
+        n, hd = q.shape[0], k_cache.shape[2]
+        if biases is not None:
+            q, k, v = (self.add_bias(a, b) for a, b in zip((q, k, v), biases, strict=True))
+        q = self.rope(q.reshape(n, -1, hd), positions, rope)
+        k = self.rope(k.reshape(n, -1, hd), positions, rope)
+        self.kv_write(k_cache, v_cache, k, v.reshape(n, -1, hd), slots)
+        return q

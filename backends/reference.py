@@ -129,16 +129,17 @@ class ReferenceBackend(Backend):
         k_cache[slots] = fp16_round(k)
         v_cache[slots] = fp16_round(v)
 
-    def attention(self, q, k_cache, v_cache, positions, scale):
+    def attention(self, q, k_cache, v_cache, positions, scale, starts=None):
         n, h, hd = q.shape
         group = h // k_cache.shape[1]
         qh = fp16_round(q)
         out = np.zeros((n, h, hd), np.float32)
         for i in range(n):
-            length = int(positions[i]) + 1
+            first = 0 if starts is None else int(starts[i])
+            rows = slice(first, first + int(positions[i]) + 1)
             for j in range(h):
-                k = k_cache[:length, j // group].astype(np.float64)
+                k = k_cache[rows, j // group].astype(np.float64)
                 s = k @ qh[i, j].astype(np.float64) * scale
                 p = np.exp(s - s.max())
-                out[i, j] = (p @ v_cache[:length, j // group].astype(np.float64)) / p.sum()
+                out[i, j] = (p @ v_cache[rows, j // group].astype(np.float64)) / p.sum()
         return out.reshape(n, h * hd)

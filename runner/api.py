@@ -40,7 +40,7 @@ class Model:
     def __init__(
         self,
         path: str | os.PathLike,
-        backend: str = "cpu",
+        backend: str = "auto",
         n_ctx: int | None = None,
         threads: int | None = None,
         progress=None,
@@ -124,7 +124,7 @@ class Model:
 
 
 def load(
-    model: str | os.PathLike, backend: str = "cpu", n_ctx: int | None = None, **kwargs
+    model: str | os.PathLike, backend: str = "auto", n_ctx: int | None = None, **kwargs
 ) -> Model:
     """Load a model by GGUF path or registry name (pulled on first use)."""
     return Model(resolve_model(model), backend=backend, n_ctx=n_ctx, **kwargs)

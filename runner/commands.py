@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated
 
@@ -10,7 +11,7 @@ import typer
 
 from fastrun.formats.errors import FastrunError
 from fastrun.runner.cli import app, resolve
-from fastrun.runner.progress import stderr_console
+from fastrun.runner.progress import DownloadProgress, stderr_console
 
 # Options shared by run and chat, declared once.
 MaxTokens = Annotated[
@@ -33,12 +34,21 @@ System = Annotated[str | None, typer.Option("--system", help="System message (ch
 
 def load_model(model: str, backend: str, ctx_size: int | None, threads: int | None):
     from fastrun.backends.cpu.backend import kernels_cached
+    from fastrun.backends.cuda import cuda_available
     from fastrun.runner.api import Model
 
     path = resolve(model)
-    if backend in ("cpu", "auto") and not kernels_cached():
+    if backend == "auto":
+        backend = "cuda" if cuda_available() else "cpu"
+    if backend == "cpu" and not kernels_cached():
         stderr_console.print("[dim]fastrun: compiling CPU kernels (first run only)...[/dim]")
-    return Model(path, backend=backend, n_ctx=ctx_size, threads=threads)
+    if backend != "cuda":
+        return Model(path, backend=backend, n_ctx=ctx_size, threads=threads)
+    with DownloadProgress() as bar:  # weights go to the GPU once, with a bar
+        bar.start("upload to GPU", os.path.getsize(path))
+        m = Model(path, backend=backend, n_ctx=ctx_size, progress=bar.advance)
+        bar.done()
+    return m
 
 
 def sampling(
@@ -74,7 +84,7 @@ def run(
     ] = False,
     ctx_size: CtxSize = None,
     threads: Threads = None,
-    backend: BackendOpt = "cpu",
+    backend: BackendOpt = "auto",
 ) -> None:
     """Generate a continuation of PROMPT; the text alone goes to stdout."""
     if prompt == "-":
@@ -131,7 +141,7 @@ def chat_command(
     stop: Stop = None,
     ctx_size: CtxSize = None,
     threads: Threads = None,
-    backend: BackendOpt = "cpu",
+    backend: BackendOpt = "auto",
 ) -> None:
     """Chat in the terminal with the model's own template. Ctrl-C stops a reply, Ctrl-D exits."""
     from rich.console import Console
@@ -204,7 +214,7 @@ def bench(
     n_gen: Annotated[int, typer.Option("-n", "--n-gen", min=0, help="Generated tokens (tg).")] = 64,
     reps: Annotated[int, typer.Option("-r", "--repetitions", min=1)] = 3,
     threads: Threads = None,
-    backend: BackendOpt = "cpu",
+    backend: BackendOpt = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Measure prompt processing and generation speed, as llama-bench does (mean ± sd)."""

@@ -12,14 +12,20 @@ from fastrun.formats.errors import FastrunError
 
 
 class KVCache:
-    """Keys and values of one sequence. Slot i holds the token at position i."""
+    """Keys and values of one sequence. Cache row base + i holds the token at position i."""
 
-    def __init__(self, backend, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int):
+    def __init__(
+        self, backend, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, shared=None
+    ):
         self.backend = backend
         self.n_ctx = n_ctx
-        shape = (n_ctx, n_head_kv, head_dim)
-        self.k = [backend.zeros(shape) for _ in range(n_layer)]  # [n_layer] x [n_ctx, hk, hd]
-        self.v = [backend.zeros(shape) for _ in range(n_layer)]
+        self.base = 0  # first cache row of this sequence
+        if shared is None:
+            shape = (n_ctx, n_head_kv, head_dim)
+            self.k = [backend.zeros(shape) for _ in range(n_layer)]  # [n_layer] x [n_ctx, hk, hd]
+            self.v = [backend.zeros(shape) for _ in range(n_layer)]
+        else:  # a sequence of a BatchKVCache: rows [base, base + n_ctx) of its storage
+            self.k, self.v, self.base = shared
         self.tokens: list[int] = []  # the ids whose keys and values are stored, in order
 
     @property
@@ -54,6 +60,29 @@ class KVCache:
             n += 1
         return n
 
+    def slots(self, positions: np.ndarray) -> np.ndarray:
+        """Cache rows of positions (int32 [n])."""
+        return (positions + self.base).astype(np.int32)
+
     def free(self) -> None:
         """Release the storage; the cache is unusable afterwards."""
         self.k, self.v, self.tokens = [], [], []
+
+
+class BatchKVCache:
+    """n_seq sequences in one block of storage, so that one decode step runs all of them as a
+    batch (one matrix product per weight). Each sequence is a KVCache over its own rows."""
+
+    def __init__(
+        self, backend, n_layer: int, n_seq: int, n_ctx: int, n_head_kv: int, head_dim: int
+    ):
+        shape = (n_seq * n_ctx, n_head_kv, head_dim)
+        self.k = [backend.zeros(shape) for _ in range(n_layer)]  # [n_layer] x [n_seq*n_ctx, hk, hd]
+        self.v = [backend.zeros(shape) for _ in range(n_layer)]
+        self.sequences = [
+            KVCache(backend, n_layer, n_ctx, n_head_kv, head_dim, (self.k, self.v, s * n_ctx))
+            for s in range(n_seq)
+        ]
+
+    def sequence(self, s: int) -> KVCache:
+        return self.sequences[s]

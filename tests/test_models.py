@@ -61,3 +61,20 @@ def test_logprobs_shape_and_normalization(tiny_model):
     lp = m.logprobs([5, 6, 7])
     assert lp.shape == (3, m.config.n_vocab) and lp.dtype == np.float32
     np.testing.assert_allclose(np.exp(lp).sum(axis=1), 1.0, rtol=1e-4)
+
+
+def test_batch_decode_matches_one_sequence_at_a_time(tiny_model):
+    """forward_batch over sequences of one BatchKVCache gives each sequence's own logits."""
+    f = GGUFFile(str(tiny_model))
+    model = model_class(f.architecture)(f, get_backend("cpu"))
+    prompts = [[5, 6, 7], [100, 3], [42, 43, 44, 45, 46]]
+    batch = model.new_batch_cache(3, 32)
+    alone = []
+    for s, p in enumerate(prompts):
+        model.forward(p, batch.sequence(s))
+        cache = model.new_cache(32)
+        model.forward(p, cache)
+        alone.append(model.forward([9], cache)[-1])
+    together = model.forward_batch([9, 9, 9], batch)
+    np.testing.assert_allclose(together, np.stack(alone), rtol=1e-5, atol=1e-5)
+    assert [batch.sequence(s).length for s in range(3)] == [4, 3, 6]

@@ -35,7 +35,7 @@ def dev(backend, x):
 
 
 @pytest.mark.parametrize("qtype", WEIGHT_TYPES)
-@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("n", [1, 3, 16, 17])
 def test_matmul(backend, qtype, n):
     rng = np.random.default_rng(hash((qtype, n)) % 2**32)
     n_out, n_in = 48, 512
@@ -192,3 +192,96 @@ def test_results_do_not_depend_on_thread_count(tiny_model):
         runs.append(m.transformer.forward(ids, m.transformer.new_cache(64), all_logits=True))
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     np.testing.assert_array_equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("n", [1, 5, 20])
+def test_fused_products(backend, qtype, n):
+    """norm_matmul_many, matmul_add and silu_mul_matmul_add against their compositions."""
+    rng = np.random.default_rng(hash((qtype, n, "fused")) % 2**32)
+    n_out, n_in = 64, 512
+    raws = [random_blocks(qtype, n_out, n_in, rng) for _ in range(2)]
+    x, up, res = rng.standard_normal((3, n, n_in)).astype(np.float32)
+    res = res[:, :n_out].copy()
+    norm = (1 + 0.1 * rng.standard_normal(n_in)).astype(np.float32)
+    ws_ref = [ref.load_weight(r, qtype, n_out, n_in) for r in raws]
+    ws = [backend.load_weight(r, qtype, n_out, n_in) for r in raws]
+
+    def close(got, expect):
+        np.testing.assert_allclose(
+            host(backend, got), expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max()
+        )
+
+    normed = ref.rms_norm(x, norm, 1e-5)
+    got = backend.norm_matmul_many(dev(backend, x), backend.load_vector(norm), 1e-5, ws)
+    for g, w in zip(got, ws_ref, strict=True):
+        close(g, ref.matmul(normed, w))
+    got = backend.matmul_add(dev(backend, x), ws[0], dev(backend, res))
+    close(got, res + ref.matmul(x, ws_ref[0]))
+    gate_up = np.concatenate([x, up], axis=1)  # gate and up as views of one product
+    g_dev = dev(backend, gate_up)
+    got = backend.silu_mul_matmul_add(g_dev[:, :n_in], g_dev[:, n_in:], ws[1], dev(backend, res))
+    close(got, res + ref.matmul(ref.silu_mul(x, up), ws_ref[1]))
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_attention_inputs(backend, neox):
+    rng = np.random.default_rng(12)
+    n, h, hk, hd, c = 3, 4, 2, 64, 16
+    q, k, v = (rng.standard_normal((n, m * hd)).astype(np.float32) for m in (h, hk, hk))
+    biases = [rng.standard_normal(a.shape[1]).astype(np.float32) for a in (q, k, v)]
+    pos, slots = np.array([4, 5, 6], np.int32), np.array([9, 10, 11], np.int32)
+    cfg = RopeConfig(n_dims=32, freq_base=1e4, neox=neox)  # partial rotation: dims 32.. kept
+    k_ref, v_ref = ref.zeros((c, hk, hd)), ref.zeros((c, hk, hd))
+    expect = ref.attention_inputs(
+        q.copy(), k.copy(), v.copy(), biases, k_ref, v_ref, pos, slots, cfg
+    )
+    k_dev, v_dev = backend.zeros((c, hk, hd)), backend.zeros((c, hk, hd))
+    got = backend.attention_inputs(
+        dev(backend, q),
+        dev(backend, k),
+        dev(backend, v),
+        [backend.load_vector(b) for b in biases],
+        k_dev,
+        v_dev,
+        pos,
+        slots,
+        cfg,
+    )
+    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(host(backend, k_dev), k_ref, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(host(backend, v_dev), v_ref)
+
+
+def test_attention_over_sequences_of_one_cache(backend):
+    """Queries of several sequences, each attending to its own rows (starts) of one cache."""
+    rng = np.random.default_rng(13)
+    hk, hd, c, h = 2, 64, 3 * 300, 6
+    kv = rng.standard_normal((2, c, hk, hd)).astype(np.float32)
+    k_ref, v_ref = ref.zeros((c, hk, hd)), ref.zeros((c, hk, hd))
+    k_dev, v_dev = backend.zeros((c, hk, hd)), backend.zeros((c, hk, hd))
+    every = np.arange(c, dtype=np.int32)
+    ref.kv_write(k_ref, v_ref, kv[0], kv[1], every)
+    backend.kv_write(k_dev, v_dev, dev(backend, kv[0]), dev(backend, kv[1]), every)
+    q = rng.standard_normal((3, h, hd)).astype(np.float32)
+    pos, starts = np.array([7, 299, 0], np.int32), np.array([0, 300, 600], np.int32)
+    expect = ref.attention(q, k_ref, v_ref, pos, 0.125, starts)
+    got = backend.attention(dev(backend, q), k_dev, v_dev, pos, 0.125, starts)
+    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_matmul_many_tokens(backend, qtype):
+    """Prefill-sized batches: a backend may take another path there (CUDA: fp16 weights and
+    activations through cuBLAS), so the check is against the exact product, at the error of
+    8-bit activations."""
+    rng = np.random.default_rng(hash((qtype, "rows")) % 2**32)
+    n, n_out, n_in = 150, 40, 512
+    raw = random_blocks(qtype, n_out, n_in, rng)
+    x = rng.standard_normal((n, n_in)).astype(np.float32)
+    w = ref.load_weight(raw, qtype, n_out, n_in)
+    exact = x.astype(np.float64) @ w.dense.T.astype(np.float64)
+    got = host(
+        backend, backend.matmul(dev(backend, x), backend.load_weight(raw, qtype, n_out, n_in))
+    )
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-2 * np.abs(exact).max())

@@ -153,16 +153,13 @@ class CPUBackend(Backend):
     def kv_write(self, k_cache, v_cache, k, v, slots):
         ops.kv_store(k_cache, v_cache, k, np.ascontiguousarray(v), np.asarray(slots, np.int32))
 
-    def attention(self, q, k_cache, v_cache, positions, scale):
+    def attention(self, q, k_cache, v_cache, positions, scale, starts=None):
         n, h, hd = q.shape
         out = np.empty((n, h, hd), np.float32)
+        positions = np.ascontiguousarray(positions, np.int32)
+        starts = np.zeros_like(positions) if starts is None else np.asarray(starts, np.int32)
         ops.attention(
-            np.ascontiguousarray(q),
-            k_cache,
-            v_cache,
-            np.ascontiguousarray(positions, np.int32),
-            np.float32(scale),
-            out,
+            np.ascontiguousarray(q), k_cache, v_cache, positions, starts, np.float32(scale), out
         )
         return out.reshape(n, h * hd)
 

@@ -75,11 +75,12 @@ def silu_mul(gate, up, out):
 
 
 @nb.njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, positions, scale, out):
+def attention(q, k_cache, v_cache, positions, starts, scale, out):
     """Causal attention over the cache, one (token, head) pair per task, online softmax.
 
-    q [n, h, hd], k_cache/v_cache [c, hk, hd], positions int32 [n], out [n, h, hd]. Memory is
-    O(hd) per task: no n x n score matrix, whatever the prompt length.
+    q [n, h, hd], k_cache/v_cache [c, hk, hd], positions and starts (each query's first cache
+    row) int32 [n], out [n, h, hd]. Memory is O(hd) per task: no n x n score matrix, whatever
+    the prompt length.
     """
     n, h, hd = q.shape
     group = h // k_cache.shape[1]
@@ -93,7 +94,7 @@ def attention(q, k_cache, v_cache, positions, scale, out):
         acc = np.zeros(hd, np.float32)
         m = -np.inf
         total = np.float32(0)
-        for s in range(positions[t] + 1):
+        for s in range(starts[t], starts[t] + positions[t] + 1):
             dot = np.float32(0)
             for i in range(hd):
                 dot += qf[i] * k_cache[s, kv, i]

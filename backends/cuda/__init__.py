@@ -1,8 +1,6 @@
-"""The CuPy CUDA backend (raw CUDA kernels in .cu files)."""
+"""The CuPy CUDA backend: raw CUDA kernels in .cu files, decode steps as CUDA graphs."""
 
 from __future__ import annotations
-
-from fastrun.formats.errors import FastrunError
 
 
 def cuda_available() -> bool:
@@ -15,5 +13,14 @@ def cuda_available() -> bool:
         return False
 
 
-def CUDABackend(**options):  # noqa: N802 - stands in for the class until the backend lands
-    raise FastrunError("the CUDA backend is not available in this build yet; use --backend cpu")
+def CUDABackend(**options):  # noqa: N802 - imports CuPy only when a GPU backend is asked for
+    from fastrun.formats.errors import FastrunError
+
+    if not cuda_available():
+        raise FastrunError(
+            "the CUDA backend needs CuPy and an NVIDIA GPU "
+            "(pip install 'fastrun[cuda12]' or 'fastrun[cuda13]'); use --backend cpu"
+        )
+    from fastrun.backends.cuda.backend import CUDABackend as Backend
+
+    return Backend(**options)

@@ -14,7 +14,7 @@ from fastrun.backends.base import Backend, RopeConfig
 from fastrun.formats import keys
 from fastrun.formats.errors import FastrunError
 from fastrun.formats.gguf import GGUFFile
-from fastrun.runner.kv_cache import KVCache
+from fastrun.runner.kv_cache import BatchKVCache, KVCache
 
 PREFILL_CHUNK = 512  # tokens per forward pass when prefilling a long prompt
 
@@ -144,6 +144,10 @@ class Transformer:
         c = self.config
         return KVCache(self.backend, c.n_layer, n_ctx, c.n_head_kv, c.head_dim)
 
+    def new_batch_cache(self, n_seq: int, n_ctx: int) -> BatchKVCache:
+        c = self.config
+        return BatchKVCache(self.backend, c.n_layer, n_seq, n_ctx, c.n_head_kv, c.head_dim)
+
     def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run new tokens through the model, appending them to the cache.
 
@@ -169,38 +173,66 @@ class Transformer:
             raise
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
 
+    def forward_batch(self, ids, batch: BatchKVCache) -> np.ndarray:
+        """One new token for each sequence of the batch; returns logits [n_seq, vocab]."""
+        ids = np.asarray(ids, np.int32).reshape(-1)
+        seqs = batch.sequences[: len(ids)]
+        lengths = [s.length for s in seqs]
+        try:
+            positions = np.concatenate([s.append([t]) for s, t in zip(seqs, ids, strict=True)])
+            starts = np.array([s.base for s in seqs], np.int32)
+            return self._run(ids, positions, starts + positions, starts, batch, True)
+        except BaseException:
+            for s, n in zip(seqs, lengths, strict=True):
+                s.trim(n)
+            raise
+
     def _forward_chunk(self, ids: np.ndarray, cache: KVCache, all_logits: bool | None):
+        positions = cache.append(ids)  # int32 [n]
+        starts = np.full(len(ids), cache.base, np.int32)
+        return self._run(ids, positions, cache.slots(positions), starts, cache, all_logits)
+
+    def _run(self, ids, positions, slots, starts, cache, all_logits: bool | None):
+        """Host logits of a pass (None for an inner prefill chunk). A pass of one token per
+        sequence goes through the backend's graph_step where it has one (CUDA graphs)."""
+        graph_step = getattr(self.backend, "graph_step", None)
+        decode = all_logits is not None and (len(ids) == 1 or isinstance(cache, BatchKVCache))
+        if graph_step is not None and decode:
+
+            def step(*inputs):  # device ids, positions, slots and starts
+                return self._logits(*inputs, cache, all_logits)
+
+            return graph_step(cache, step, ids, positions, slots, starts)
+        logits = self._logits(ids, positions, slots, starts, cache, all_logits)
+        return None if logits is None else self.backend.to_host(logits)
+
+    def _logits(self, ids, positions, slots, starts, cache, all_logits: bool | None):
+        """Logits on the backend ([n, vocab], or [1, vocab] for the last token); None for an
+        inner prefill chunk. The int arrays may be on the host or the backend."""
         b, c = self.backend, self.config
         n = len(ids)
-        positions = cache.append(ids)  # int32 [n]; slot == position
         x = b.embed(self.token_embd, ids)  # [n, d]
         for i, layer in enumerate(self.layers):
-            x = self._attention_block(x, layer, cache.k[i], cache.v[i], positions, n)
+            kv = (cache.k[i], cache.v[i])
+            x = self._attention_block(x, layer, kv, positions, slots, starts)
             x = self._ffn_block(x, layer)
         if all_logits is None:  # an inner prefill chunk: only the cache matters
             return None
         if not all_logits:
             x = x[n - 1 :]
         x = b.rms_norm(x, self.output_norm, c.rms_eps)
-        return b.to_host(b.matmul(x, self.output))
+        return b.matmul(x, self.output)
 
-    def _attention_block(self, x, layer: Layer, k_cache, v_cache, positions, n):
+    def _attention_block(self, x, layer: Layer, kv, positions, slots, starts):
         b, c = self.backend, self.config
-        h = b.rms_norm(x, layer.attn_norm, c.rms_eps)  # [n, d]
-        q, k, v = b.matmul_many(h, [layer.wq, layer.wk, layer.wv])  # [n, h*hd], [n, hk*hd] x 2
-        if layer.bq is not None:
-            b.add_bias(q, layer.bq)
-            b.add_bias(k, layer.bk)
-            b.add_bias(v, layer.bv)
-        q = b.rope(q.reshape(n, c.n_head, c.head_dim), positions, c.rope)
-        k = b.rope(k.reshape(n, c.n_head_kv, c.head_dim), positions, c.rope)
-        b.kv_write(k_cache, v_cache, k, v.reshape(n, c.n_head_kv, c.head_dim), positions)
-        attn = b.attention(q, k_cache, v_cache, positions, self.attn_scale)  # [n, h*hd]
-        return b.add(x, b.matmul(attn, layer.wo))
+        ws = [layer.wq, layer.wk, layer.wv]
+        q, k, v = b.norm_matmul_many(x, layer.attn_norm, c.rms_eps, ws)  # [n, h*hd], [n, hk*hd] x 2
+        biases = None if layer.bq is None else (layer.bq, layer.bk, layer.bv)
+        q = b.attention_inputs(q, k, v, biases, *kv, positions, slots, c.rope)  # [n, h, hd]
+        attn = b.attention(q, *kv, positions, self.attn_scale, starts)  # [n, h*hd]
+        return b.matmul_add(attn, layer.wo, x)
 
     def _ffn_block(self, x, layer: Layer):
         b, c = self.backend, self.config
-        h = b.rms_norm(x, layer.ffn_norm, c.rms_eps)
-        gate, up = b.matmul_many(h, [layer.w_gate, layer.w_up])  # [n, f] each
-        gated = b.silu_mul(gate, up)
-        return b.add(x, b.matmul(gated, layer.w_down))
+        gate, up = b.norm_matmul_many(x, layer.ffn_norm, c.rms_eps, [layer.w_gate, layer.w_up])
+        return b.silu_mul_matmul_add(gate, up, layer.w_down, x)  # x + (silu(gate) * up) @ down

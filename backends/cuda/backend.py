@@ -1,0 +1,362 @@
+"""CUDABackend: the Backend contract on CuPy RawModule kernels (matmul.cu, ops.cu).
+
+Weights are repacked once on the device (weights.py); activations are float32 CuPy arrays; the
+KV cache is fp16. Matrix products quantize the activation to 8 bits as llama.cpp's CPU path
+pairs it with the weight format, so results match the NumPy reference backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+from fastrun.backends.base import Backend, RopeConfig, Weight
+from fastrun.backends.cuda.graphs import StepGraph
+from fastrun.backends.cuda.weights import FLOAT_FORMATS, KERNEL_FORMATS, repack
+from fastrun.backends.reference import rope_angles
+from fastrun.formats.errors import FastrunError
+
+SOURCES = Path(__file__).resolve().parent
+MATVEC_TOKENS = (1, 2, 4, 8)  # a matvec kernel per token count; more tokens use tensor cores
+MATVEC_ROWS = 16  # weight rows per matvec block: 8 warps of MV_ROWS = 2 (matmul.cu)
+MATVEC_BATCH = 16  # up to this many tokens: matvec blocks of 8 tokens (a 16-session decode
+# batch of the 7B shape: 1417 tok/s, against 1399 through the tensor-core kernel)
+MMA_TILES = (2, 8)  # int8 tensor-core kernels: 16 or 64 tokens per block
+DENSE_ROWS = 128  # from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
+ATTN_TILE = 64  # cache positions per attention tile (ATTN_TILE in ops.cu)
+_i32 = np.int32
+_NULL = np.uint64(0)  # a null pointer argument
+
+
+class CUDAWeight(Weight):
+    """A weight matrix as device planes (formats.cuh describes them)."""
+
+    def __init__(self, planes: list, qtype: str, n_out: int, n_in: int):
+        self.planes, self.qtype, self.n_out, self.n_in = planes, qtype, n_out, n_in
+        self.kernel_format = KERNEL_FORMATS.get(qtype)  # None: a float weight
+        self.per_256 = qtype.endswith("_K")  # activation quantized per 256 (Q8_K)
+
+    def plane_args(self) -> tuple:
+        return tuple(self.planes) + (self.planes[0],) * (6 - len(self.planes))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.planes)
+
+
+class _Kernels:
+    """The compiled modules; NVRTC compiles them on first use and CuPy caches the binaries."""
+
+    def __init__(self):
+        options = ("-std=c++17", f"-I{SOURCES}", f"-DMV_ROWS={MATVEC_ROWS // 8}")
+        names = []
+        for f in KERNEL_FORMATS.values():
+            names += [f"matvec_q<{f}, {t}>" for t in MATVEC_TOKENS]
+            names += [f"matmul_mma<{f}, {t}>" for t in MMA_TILES]
+            names += [f"embed_q<{f}>", f"dequant_f16<{f}>"]
+        for t in ("__half", "float"):
+            names += [f"matvec_f<{t}, {n}>" for n in MATVEC_TOKENS] + [f"embed_f<{t}>"]
+        self.matmul = cp.RawModule(
+            code=(SOURCES / "matmul.cu").read_text(), options=options, name_expressions=names
+        )
+        self.ops = cp.RawModule(code=(SOURCES / "ops.cu").read_text(), options=options)
+        self._cache: dict[str, cp.RawKernel] = {}
+
+    def __call__(self, name: str) -> cp.RawKernel:
+        kernel = self._cache.get(name)
+        if kernel is None:
+            module = self.matmul if "<" in name or name.startswith("quantize") else self.ops
+            kernel = self._cache[name] = module.get_function(name)
+        return kernel
+
+
+def _float_name(qtype: str) -> str:
+    return "__half" if qtype == "F16" else "float"
+
+
+class CUDABackend(Backend):
+    """Raw CUDA kernels through CuPy; one device, one stream (CuPy's current one)."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0):
+        try:
+            cp.cuda.Device(device).use()
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            raise FastrunError(f"no usable CUDA device {device}: {e}") from None
+        self.k = _Kernels()
+        self._fused: dict[tuple[int, ...], CUDAWeight] = {}  # holds the fused members too
+        self._rope_tables: dict[tuple, tuple] = {}
+        self._graphs: dict[int, StepGraph] = {}
+        # per (query, head) counters of finished attention splits; the last block resets its
+        # own, so they are zero between launches (one buffer for good: graphs hold its address)
+        self._tickets = cp.zeros(1 << 17, cp.int32)
+
+    # -- data movement ----------------------------------------------------------------------
+
+    def load_weight(self, raw, qtype, n_out, n_in):
+        if qtype not in KERNEL_FORMATS and qtype not in FLOAT_FORMATS:
+            raise FastrunError(f"the CUDA backend has no matmul for {qtype} weights")
+        try:
+            return CUDAWeight(repack(raw, qtype, n_out, n_in), qtype, n_out, n_in)
+        except cp.cuda.memory.OutOfMemoryError:
+            free, total = cp.cuda.runtime.memGetInfo()
+            raise FastrunError(
+                f"the model does not fit in GPU memory ({free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f} GiB); try a smaller model or --backend cpu"
+            ) from None
+
+    def load_vector(self, x):
+        return cp.asarray(np.asarray(x, np.float32))
+
+    def zeros(self, shape):
+        return cp.zeros(shape, cp.float16)  # the KV cache holds fp16, as llama.cpp's
+
+    def to_host(self, x):
+        return cp.asnumpy(x).astype(np.float32, copy=False)
+
+    @staticmethod
+    def _ints(a):
+        """Token ids, positions or slots as a device int32 vector."""
+        if isinstance(a, cp.ndarray):
+            return a if a.dtype == cp.int32 else a.astype(cp.int32)
+        return cp.asarray(np.asarray(a, np.int32).reshape(-1))
+
+    # -- matrix products --------------------------------------------------------------------
+
+    def _quantize(self, x, per_256: bool, norm=None, eps: float = 0.0, up=None):
+        """x [n, k] (rows may be strided views) -> (xq int8 [n, k], xd [n, k/32], xs [n, k/32])
+        as formats.cuh expects; first x / rms(x) * norm, or silu(x) * up, when given."""
+        n, k = x.shape
+        xq = cp.empty((n, k), cp.int8)
+        xd = cp.empty(n * k // 32, cp.float32)
+        xs = cp.empty(n * k // 32, cp.float32)
+        args = (x, _i32(x.strides[0] // 4), _NULL if norm is None else norm, np.float64(eps))
+        args += (_NULL, _i32(0)) if up is None else (up, _i32(up.strides[0] // 4))
+        args += (_i32(k), _i32(per_256), xq, xd, xs)
+        self.k("quantize_rows")(((k + 255) // 256, n), (256,), args)
+        return xq, xd, xs
+
+    def _product_f16(self, x, w: CUDAWeight, y, accumulate: bool) -> None:
+        """y (+)= x @ w.T through cuBLAS: w dequantized to fp16 scratch, x rounded to fp16,
+        fp32 accumulation. For prefill-sized batches, where it beats the int8 kernels."""
+        w16 = cp.empty((w.n_out, w.n_in), cp.float16)
+        groups = w.n_out * w.n_in // 32
+        args = (*w.plane_args(), w16, _i32(w.n_in), np.int64(groups))
+        self.k(f"dequant_f16<{w.kernel_format}>")(((groups + 255) // 256,), (256,), args)
+        product = cp.matmul(x.astype(cp.float16), w16.T)
+        if accumulate:
+            y += product
+        else:
+            y[...] = product
+
+    def _product(self, x, act, w: CUDAWeight, y, accumulate: bool = False) -> None:
+        """y [n, n_out] (+)= x @ w.T; act: x's quantization for w's kind (None for float w)."""
+        n = x.shape[0]
+        args = (_i32(w.n_in), _i32(w.n_out), _i32(n), _i32(accumulate))
+        if w.kernel_format is None:
+            t = next((t for t in MATVEC_TOKENS if t >= n), MATVEC_TOKENS[-1])
+            grid = ((w.n_out + 7) // 8, (n + t - 1) // t)
+            kernel = self.k(f"matvec_f<{_float_name(w.qtype)}, {t}>")
+            kernel(grid, (256,), (w.planes[0], x, y, *args))
+            return
+        xq, xd, xs = act
+        if n <= MATVEC_BATCH:
+            t = next((t for t in MATVEC_TOKENS if t >= n), MATVEC_TOKENS[-1])
+            kernel = self.k(f"matvec_q<{w.kernel_format}, {t}>")
+            rows = MATVEC_ROWS
+            grid, block = ((w.n_out + rows - 1) // rows, (n + t - 1) // t), 256
+        else:
+            t = MMA_TILES[0] if n <= 8 * MMA_TILES[0] else MMA_TILES[-1]
+            kernel = self.k(f"matmul_mma<{w.kernel_format}, {t}>")
+            grid, block = ((w.n_out + 15) // 16, (n + 8 * t - 1) // (8 * t)), 128
+        kernel(grid, (block,), (*w.plane_args(), xq, xd, xs, y, *args))
+
+    def _rows(self, x):
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        return x.reshape(-1, x.shape[-1])
+
+    def matmul(self, x, w):
+        return self._many(self._rows(x), [w])[0]
+
+    def matmul_many(self, x, ws):
+        return self._many(self._rows(x), ws)
+
+    def norm_matmul_many(self, x, weight, eps, ws):
+        return self._many(self._rows(x), ws, norm=weight, eps=eps)
+
+    def matmul_add(self, x, w, residual):
+        self._many(self._rows(x), [w], out=residual)
+        return residual
+
+    def silu_mul_matmul_add(self, gate, up, w, residual):
+        self._many(gate, [w], up=up, out=residual)
+        return residual
+
+    def _many(self, x, ws, norm=None, eps=0.0, up=None, out=None) -> list:
+        """Products of x (first normalized, or silu(x) * up, when given) with each of ws.
+        Weights of one format are fused into one matrix on first use (their planes become
+        views of it), so Q, K and V or gate and up take one launch; the others share the
+        activation's quantization. out: add the (single) product into it instead."""
+        if len(ws) > 1 and len({(w.qtype, w.n_in) for w in ws}) == 1:
+            key = tuple(id(w) for w in ws)
+            fused = self._fused.get(key) or self._fused.setdefault(key, self._fuse(ws))
+            y = self._many(x, [fused], norm, eps, up)[0]
+            edges = np.cumsum([0] + [w.n_out for w in ws])
+            return [y[:, a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
+        acts: dict[bool, tuple] = {}
+        dense = None  # the transformed x in float, for float weights and cuBLAS
+        outs = []
+        for w in ws:
+            y = out if out is not None else cp.empty((x.shape[0], w.n_out), cp.float32)
+            if w.kernel_format is None or x.shape[0] >= DENSE_ROWS:
+                if dense is None:
+                    dense = x if norm is None else self.rms_norm(x, norm, eps)
+                    dense = self._rows(dense if up is None else self.silu_mul(dense, up))
+                if w.kernel_format is None:
+                    self._product(dense, None, w, y, out is not None)
+                else:
+                    self._product_f16(dense, w, y, out is not None)
+            else:
+                if w.per_256 not in acts:
+                    acts[w.per_256] = self._quantize(x, w.per_256, norm, eps, up)
+                self._product(x, acts[w.per_256], w, y, out is not None)
+            outs.append(y)
+        return outs
+
+    @staticmethod
+    def _fuse(ws: list[CUDAWeight]) -> CUDAWeight:
+        planes = [
+            cp.concatenate(group, axis=0) for group in zip(*(w.planes for w in ws), strict=True)
+        ]
+        start = 0
+        for w in ws:  # the originals become views: no second copy stays on the device
+            w.planes = [p[start : start + w.n_out] for p in planes]
+            start += w.n_out
+        fused = CUDAWeight(planes, ws[0].qtype, start, ws[0].n_in)
+        fused.members = ws  # they stay alive, so their ids in the cache key stay theirs
+        return fused
+
+    def embed(self, w, ids):
+        ids = self._ints(ids)
+        out = cp.empty((ids.size, w.n_in), cp.float32)
+        if w.kernel_format is None:
+            self.k(f"embed_f<{_float_name(w.qtype)}>")(
+                (ids.size,), (256,), (w.planes[0], ids, out, _i32(w.n_in))
+            )
+        else:
+            kernel = self.k(f"embed_q<{w.kernel_format}>")
+            kernel((ids.size,), (256,), (*w.plane_args(), ids, out, _i32(w.n_in)))
+        return out
+
+    # -- element-wise -----------------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps):
+        x = self._rows(x)
+        y = cp.empty_like(x)
+        self.k("rms_norm")((x.shape[0],), (256,), (x, weight, y, _i32(x.shape[1]), np.float64(eps)))
+        return y
+
+    def _rope_table(self, rope: RopeConfig):
+        key = (
+            rope.n_dims,
+            rope.freq_base,
+            None if rope.freq_factors is None else rope.freq_factors.tobytes(),
+        )
+        table = self._rope_tables.get(key)
+        if table is None:
+            # theta at position 1 is the per-pair power, accumulated as llama.cpp does
+            unit = RopeConfig(n_dims=rope.n_dims, freq_base=rope.freq_base)
+            powers = cp.asarray(rope_angles(np.ones(1, np.int32), unit)[0])
+            factors = (
+                None if rope.freq_factors is None else cp.asarray(rope.freq_factors, cp.float32)
+            )
+            table = self._rope_tables[key] = (powers, factors)
+        return table
+
+    def rope(self, x, positions, rope):
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n, heads, hd = x.shape
+        powers, factors = self._rope_table(rope)
+        total = n * heads * (rope.n_dims // 2)
+        args = (x, self._ints(positions), powers, np.uint64(0) if factors is None else factors)
+        args += (_i32(n), _i32(heads), _i32(hd), _i32(rope.n_dims), np.float32(rope.freq_scale))
+        self.k("rope")(((total + 255) // 256,), (256,), (*args, _i32(rope.neox)))
+        return x
+
+    def silu_mul(self, gate, up):
+        gate, up = cp.ascontiguousarray(gate), cp.ascontiguousarray(up)
+        y = cp.empty_like(gate)
+        self.k("silu_mul")(((gate.size + 255) // 256,), (256,), (gate, up, y, np.int64(gate.size)))
+        return y
+
+    def add(self, x, y):
+        x += y
+        return x
+
+    def add_bias(self, x, bias):
+        x += bias
+        return x
+
+    # -- attention --------------------------------------------------------------------------
+
+    def kv_write(self, k_cache, v_cache, k, v, slots):
+        k = cp.ascontiguousarray(k, dtype=cp.float32)
+        v = cp.ascontiguousarray(v, dtype=cp.float32)
+        n, width = k.shape[0], k.size // k.shape[0]
+        grid = ((k.size + 255) // 256,)
+        self.k("kv_write")(
+            grid, (256,), (k, v, k_cache, v_cache, self._ints(slots), _i32(n), _i32(width))
+        )
+
+    def attention_inputs(self, q, k, v, biases, k_cache, v_cache, positions, slots, rope):
+        n, hk, hd = q.shape[0], k_cache.shape[1], k_cache.shape[2]
+        h = q.size // (n * hd)
+        if k.strides != v.strides or q.strides[1] != 4 or k.strides[1] != 4:
+            q, k, v = (cp.ascontiguousarray(a) for a in (q, k, v))
+        powers, factors = self._rope_table(rope)
+        q_out = cp.empty((n, h, hd), cp.float32)
+        bq, bk, bv = biases if biases is not None else (_NULL, _NULL, _NULL)
+        args = (q, k, v, _i32(q.strides[0] // 4), _i32(k.strides[0] // 4), bq, bk, bv, q_out)
+        args += (k_cache, v_cache, self._ints(positions), self._ints(slots), powers)
+        args += (_NULL if factors is None else factors, _i32(h), _i32(hk), _i32(hd))
+        args += (_i32(rope.n_dims), np.float32(rope.freq_scale), _i32(rope.neox))
+        self.k("rope_kv")((n,), (256,), args)
+        return q_out
+
+    def attention(self, q, k_cache, v_cache, positions, scale, starts=None):
+        q = cp.ascontiguousarray(q, dtype=cp.float32)
+        n, h, hd = q.shape
+        hk = k_cache.shape[1]
+        if isinstance(positions, cp.ndarray):  # inside a graph: sized for the whole cache
+            longest = k_cache.shape[0]
+        else:
+            longest = int(np.max(positions)) + 1
+        # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
+        # positions (in tiles of ATTN_TILE) and the combine merges them
+        splits = max(1, min((longest + ATTN_TILE - 1) // ATTN_TILE, max(1, 512 // (n * h))))
+        pos = self._ints(positions)
+        starts = cp.zeros(n, cp.int32) if starts is None else self._ints(starts)
+        part_o = cp.empty((n, h, splits, hd), cp.float32)
+        part_ml = cp.empty((n, h, splits, 2), cp.float32)
+        out = cp.empty((n, h * hd), cp.float32)
+        if n * h > self._tickets.size:
+            raise FastrunError(f"attention over {n} x {h} query heads at once is too many")
+        args = (q, k_cache, v_cache, pos, starts, part_o, part_ml, self._tickets, out)
+        args += (_i32(h), _i32(hk), _i32(hd), _i32(splits), np.float32(scale))
+        self.k("attn_split")((h, splits, n), (128,), args)
+        return out
+
+    # -- CUDA graphs ------------------------------------------------------------------------
+
+    def graph_step(self, owner, step, *vectors) -> np.ndarray:
+        """Run step(*vectors on the device) -> device logits as a CUDA graph: captured on the
+        first call for this owner (a KV cache, whose buffers the graph holds) and shape of
+        inputs (int32 vectors: ids, positions, slots, starts), replayed after."""
+        shape = (len(vectors), len(vectors[0]))
+        graph = self._graphs.get(id(owner))
+        if graph is None or graph.owner() is not owner or graph.shape != shape:
+            graph = self._graphs[id(owner)] = StepGraph(owner, step, *shape)
+        return graph(*vectors)

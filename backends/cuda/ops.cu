@@ -1,0 +1,272 @@
+// Element-wise and row operations: RMSNorm, RoPE, SiLU-multiply, KV-cache writes, attention.
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
+    return total;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float m = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, scratch[w]);
+    return m;
+}
+
+// y [n, d] = x / rms(x) * w; one block per row.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
+                                    float* __restrict__ y, int d, double eps) {
+    __shared__ double scratch[32];
+    const float* xr = x + (long long)blockIdx.x * d;
+    double ss = 0.0;  // in double, the scale rounded once: as the CPU backend
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
+    const float scale = (float)(1.0 / sqrt(total / d + eps));
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        y[(long long)blockIdx.x * d + i] = (xr[i] * scale) * w[i];
+}
+
+// RoPE angle of pair i at position pos: pos * powers[i] (/ factors[i]) * freq_scale, where
+// powers = base^(-2i/n_dims) was accumulated in float32 on the host as llama.cpp does.
+__device__ __forceinline__ float rope_theta(int pos, int i, const float* powers,
+                                            const float* factors, float freq_scale) {
+    float theta = (float)pos * powers[i];
+    if (factors) theta = theta / factors[i];
+    return theta * freq_scale;
+}
+
+// The two elements of pair i: (2i, 2i+1) in llama's layout, (i, i + n_dims/2) in NEOX's.
+__device__ __forceinline__ void rope_pair(int i, int half, int neox, int& a, int& b) {
+    a = neox ? i : 2 * i;
+    b = neox ? i + half : 2 * i + 1;
+}
+
+// Rotate x [n, heads, hd] in place.
+extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ pos,
+                                const float* __restrict__ powers,
+                                const float* __restrict__ factors, int n, int heads, int hd,
+                                int n_dims, float freq_scale, int neox) {
+    const int half = n_dims >> 1;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * heads * half) return;
+    const int i = idx % half;
+    const long long th = idx / half;  // token * heads + head
+    float s, c;
+    sincosf(rope_theta(pos[th / heads], i, powers, factors, freq_scale), &s, &c);
+    int ia, ib;
+    rope_pair(i, half, neox, ia, ib);
+    float* v = x + th * hd;
+    const float a = v[ia], b = v[ib];
+    v[ia] = a * c - b * s;
+    v[ib] = a * s + b * c;
+}
+
+// The attention inputs of one token per block, in one pass: biases added (when given), q
+// rotated into q_out [n, h * hd], k rotated and v stored as fp16 at cache row slots[token].
+// Rows of q and of k, v are q_stride and kv_stride floats apart (views into a fused product).
+extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __restrict__ k,
+                                   const float* __restrict__ v, int q_stride, int kv_stride,
+                                   const float* __restrict__ bq, const float* __restrict__ bk,
+                                   const float* __restrict__ bv, float* __restrict__ q_out,
+                                   __half* __restrict__ kc, __half* __restrict__ vc,
+                                   const int* __restrict__ pos, const int* __restrict__ slots,
+                                   const float* __restrict__ powers,
+                                   const float* __restrict__ factors, int h, int hk, int hd,
+                                   int n_dims, float freq_scale, int neox) {
+    const int tok = blockIdx.x, half = n_dims >> 1, p = pos[tok];
+    const long long slot = (long long)slots[tok] * hk * hd;
+    // element e of head j: rotated pairs first, then the dims past n_dims unrotated
+    const int per_head = half + (hd - n_dims);
+    for (int idx = threadIdx.x; idx < (h + hk) * per_head; idx += blockDim.x) {
+        const int j = idx / per_head, r = idx % per_head;
+        const bool is_q = j < h;
+        const int head = is_q ? j : j - h;
+        const float* src = is_q ? q + (long long)tok * q_stride + head * hd
+                                : k + (long long)tok * kv_stride + head * hd;
+        const float* bias = is_q ? bq : bk;
+        const int off = head * hd;
+        if (r < half) {
+            int ia, ib;
+            rope_pair(r, half, neox, ia, ib);
+            float a = src[ia], b = src[ib];
+            if (bias) {
+                a = a + bias[off + ia];
+                b = b + bias[off + ib];
+            }
+            float s, c;
+            sincosf(rope_theta(p, r, powers, factors, freq_scale), &s, &c);
+            const float ra = a * c - b * s, rb = a * s + b * c;
+            if (is_q) {
+                q_out[(long long)tok * h * hd + off + ia] = ra;
+                q_out[(long long)tok * h * hd + off + ib] = rb;
+            } else {
+                kc[slot + off + ia] = __float2half_rn(ra);
+                kc[slot + off + ib] = __float2half_rn(rb);
+            }
+        } else {
+            const int e = n_dims + (r - half);
+            const float a = bias ? src[e] + bias[off + e] : src[e];
+            if (is_q)
+                q_out[(long long)tok * h * hd + off + e] = a;
+            else
+                kc[slot + off + e] = __float2half_rn(a);
+        }
+    }
+    for (int e = threadIdx.x; e < hk * hd; e += blockDim.x)
+        vc[slot + e] = __float2half_rn(bv ? v[(long long)tok * kv_stride + e] + bv[e]
+                                          : v[(long long)tok * kv_stride + e]);
+}
+
+// silu(gate) * up, element-wise.
+extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u,
+                                    float* __restrict__ y, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = g[i] / (1.f + (float)exp(-(double)g[i])) * u[i];  // as matmul.cu's silu
+}
+
+// k, v [n, hk * hd] float -> cache rows slots[i] of kc, vc [c, hk * hd] half.
+extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v,
+                                    __half* __restrict__ kc, __half* __restrict__ vc,
+                                    const int* __restrict__ slots, int n, int width) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * width) return;
+    const int i = idx / width, e = idx % width;
+    const long long dst = (long long)slots[i] * width + e;
+    kc[dst] = __float2half_rn(k[idx]);
+    vc[dst] = __float2half_rn(v[idx]);
+}
+
+// ---- attention over the fp16 KV cache: split over the cache length, then combined ---------
+// Block (head, split, query) covers an equal share of the query's positions 0..pos (of the
+// sequence that starts at cache row starts[query]) in tiles of ATTN_TILE, with an online
+// softmax; it writes its unnormalised output o [hd], running max m and sum l, and the
+// last split block to finish merges them (flash-decoding). hd: a multiple of 8, at most 256.
+// The last of a (query, head)'s split blocks to finish merges all splits into out [n, h * hd]
+// and resets the ticket, so the counters are all zero again for the next launch (or replay).
+__device__ void merge_if_last(const float* part_o, const float2* part_ml, int* tickets,
+                              float* out, int qh, int hd, int splits, int* last) {
+    __threadfence();  // this block's partial results are visible before its ticket is
+    __syncthreads();
+    if (threadIdx.x == 0) *last = atomicAdd(&tickets[qh], 1) == splits - 1;
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    const long long base = (long long)qh * splits;
+    float m = -1e30f;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, __ldcg(&part_ml[base + s].x));
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float l = 0.f, o = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            const float2 ml = __ldcg(&part_ml[base + s]);
+            const float w = expf(ml.x - m);
+            l += ml.y * w;
+            o += __ldcg(&part_o[(base + s) * hd + d]) * w;
+        }
+        out[(long long)qh * hd + d] = o / l;
+    }
+    if (threadIdx.x == 0) tickets[qh] = 0;
+}
+
+#define ATTN_TILE 64
+#define ATTN_THREADS 128
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
+               const __half* __restrict__ vc, const int* __restrict__ pos,
+               const int* __restrict__ starts, float* __restrict__ part_o,
+               float2* __restrict__ part_ml, int* __restrict__ tickets,
+               float* __restrict__ out, int h, int hk, int hd, int splits, float scale) {
+    __shared__ float qs[256];
+    __shared__ float p[ATTN_TILE];
+    __shared__ float scratch[32];
+    __shared__ float acc_part[ATTN_THREADS * 8];
+    __shared__ int last;
+    const int head = blockIdx.x, split = blockIdx.y, i = blockIdx.z, tid = threadIdx.x;
+    const int len = pos[i] + 1;
+    const int share = max((len + splits - 1) / splits, ATTN_TILE);  // idle splits if short
+    const int p0 = split * share, p1 = min(p0 + share, len);
+    const long long part = ((long long)i * h + head) * splits + split;
+    if (p0 >= p1) {  // nothing here: weighed by l = 0 in the merge
+        if (tid == 0) part_ml[part] = make_float2(-1e30f, 0.f);
+        for (int d = tid; d < hd; d += ATTN_THREADS) part_o[part * hd + d] = 0.f;
+        merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, &last);
+        return;
+    }
+    const int kvh = head / (h / hk), row = hk * hd;  // row: halves per cache row
+    kc += (long long)starts[i] * row + kvh * hd;
+    vc += (long long)starts[i] * row + kvh * hd;
+    const float* qr = q + ((long long)i * h + head) * hd;
+    for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = __half2float(__float2half_rn(qr[d]));
+    __syncthreads();
+
+    // V phase layout: thread (dims 8dg..8dg+7, position lane pl)
+    const int groups = hd >> 3, lanes = ATTN_THREADS / groups;
+    const int dg = tid % groups, pl = tid / groups;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float m = -1e30f, l = 0.f;  // running max and sum, the same in every thread
+    for (int t0 = p0; t0 < p1; t0 += ATTN_TILE) {
+        const int t1 = min(t0 + ATTN_TILE, p1);
+        float s = -1e30f;
+        if (tid < t1 - t0) {  // one position per thread, K read 16 bytes at a time
+            const uint4* kr = reinterpret_cast<const uint4*>(kc + (long long)(t0 + tid) * row);
+            float a = 0.f;
+            for (int c = 0; c < groups; ++c) {
+                const uint4 raw = kr[c];
+                const __half2* k2 = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 kf = __half22float2(k2[j]);
+                    a += qs[8 * c + 2 * j] * kf.x + qs[8 * c + 2 * j + 1] * kf.y;
+                }
+            }
+            s = a * scale;
+        }
+        const float m_new = fmaxf(m, block_max(s, scratch));
+        const float e = tid < t1 - t0 ? expf(s - m_new) : 0.f;
+        if (tid < ATTN_TILE) p[tid] = e;
+        const float rescale = expf(m - m_new);
+        l = l * rescale + block_sum(e, scratch);  // its barriers also publish p[]
+        m = m_new;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] *= rescale;
+        if (pl < lanes) {
+            for (int pp = t0 + pl; pp < t1; pp += lanes) {
+                const float w = p[pp - t0];
+                const uint4 raw = reinterpret_cast<const uint4*>(vc + (long long)pp * row)[dg];
+                const __half2* v2 = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 vf = __half22float2(v2[j]);
+                    acc[2 * j] += w * vf.x;
+                    acc[2 * j + 1] += w * vf.y;
+                }
+            }
+        }
+        __syncthreads();  // p[] is rewritten by the next tile
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc_part[tid * 8 + j] = acc[j];
+    __syncthreads();
+    for (int d = tid; d < hd; d += ATTN_THREADS) {
+        float v = 0.f;
+        for (int lane = 0; lane < lanes; ++lane) v += acc_part[(lane * groups + (d >> 3)) * 8 + (d & 7)];
+        part_o[part * hd + d] = v;
+    }
+    if (tid == 0) part_ml[part] = make_float2(m, l);
+    merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, &last);
+}
+

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""fastrun's CUDA backend on llama-shaped models with random quantized weights, against the
+device's copy bandwidth and a PyTorch fp16 peer measured in the same run.
+
+    python scripts/gpu_bench.py                      # every shape, Q4_0 and Q4_K
+    python scripts/gpu_bench.py --shapes llama2-7b --types Q4_0 --json out.json
+
+Per model: prefill (pp512) and decode (tg128 after a 512-token prompt) at batch 1 and batch
+16 (16 sequences decoded together), tok/s, and the weight bytes streamed per decode step as a
+share of the measured device-to-device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+# (arch, n_embd, n_ff, n_layer, n_head, n_head_kv, n_vocab)
+SHAPES = {
+    "smollm2-135m": ("llama", 576, 1536, 30, 9, 3, 49152),
+    "qwen2.5-1.5b": ("llama", 1536, 8960, 28, 12, 2, 151936),
+    "llama2-7b": ("llama", 4096, 11008, 32, 32, 32, 32000),
+}
+# K-quants need rows of whole 256-blocks: SmolLM2's width (576) takes Q4_0 only.
+FITS = {"Q4_K": lambda shape: SHAPES[shape][1] % 256 == 0}
+
+
+def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    import cupy as cp
+
+    a = cp.ones(n_bytes // 4, cp.float32)
+    b = cp.empty_like(a)
+    times = []
+    for _ in range(12):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        b[...] = a
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return 2 * n_bytes / float(np.median(times[2:]))
+
+
+def timed(fn, repeat: int = 3) -> float:
+    """Median wall time of fn() (each call ends with a device sync)."""
+    import cupy as cp
+
+    times = []
+    for _ in range(repeat):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        fn()
+        cp.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int) -> dict:
+    from fastrun.backends import get_backend
+    from fastrun.formats.gguf import GGUFFile
+    from fastrun.runner.models import model_class
+
+    f = GGUFFile(str(path))
+    model = model_class(f.architecture)(f, get_backend("cuda"))
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, 256, n_prompt)]
+    weight_bytes = (
+        sum(
+            w.nbytes
+            for layer in model.layers
+            for w in (
+                layer.wq,
+                layer.wk,
+                layer.wv,
+                layer.wo,
+                layer.w_gate,
+                layer.w_up,
+                layer.w_down,
+            )
+        )
+        + model.output.nbytes
+    )
+
+    def prefill():
+        cache = model.new_cache(n_prompt + 1)
+        model.forward(prompt, cache)
+
+    prefill()  # compile and warm
+    pp = n_prompt / timed(prefill)
+
+    def decode(cache, steps):
+        token = 1
+        for _ in range(steps):
+            token = int(np.argmax(model.forward([token], cache)[-1]))
+
+    cache = model.new_cache(n_prompt + n_gen + 8)
+    model.forward(prompt, cache)
+    decode(cache, 2)  # capture the graph
+    length = cache.length
+    cache.trim(length)
+    tg = n_gen / timed(lambda: (cache.trim(length), decode(cache, n_gen)))
+    out = {"pp": pp, "tg": tg, "weight_bytes": weight_bytes}
+    if batch > 1:
+        batch_cache = model.new_batch_cache(batch, n_prompt + n_gen + 8)
+        for s in range(batch):
+            model.forward(prompt, batch_cache.sequence(s))
+        length = batch_cache.sequence(0).length
+        tokens = [1] * batch
+
+        def decode_batch(steps):
+            nonlocal tokens
+            for _ in range(steps):
+                logits = model.forward_batch(tokens, batch_cache)
+                tokens = [int(t) for t in np.argmax(logits, axis=-1)]
+
+        decode_batch(2)
+
+        def run():
+            for s in range(batch):
+                batch_cache.sequence(s).trim(length)
+            decode_batch(n_gen)
+
+        out["tg_batch"] = batch * n_gen / timed(run)
+    return out
+
+
+def bench_torch(shape: str, n_prompt: int, n_gen: int) -> dict:
+    """The same shape in fp16 PyTorch: one decode step as plain tensor ops (SDPA attention),
+    replayed through a CUDA graph; prefill as one batched pass."""
+    import torch
+    import torch.nn.functional as F
+
+    arch, d, ff, n_layer, h, hk, vocab = SHAPES[shape]
+    hd = d // h
+    dev, dt = "cuda", torch.float16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*s):
+        return torch.randn(*s, device=dev, dtype=dt, generator=g) * 0.02
+
+    layers = [
+        dict(
+            qkv=rand((h + 2 * hk) * hd, d), o=rand(d, h * hd), up=rand(2 * ff, d), down=rand(d, ff)
+        )
+        for _ in range(n_layer)
+    ]
+    out_w = rand(vocab, d)
+    n_ctx = n_prompt + n_gen + 8
+    kc = [torch.zeros(1, hk, n_ctx, hd, device=dev, dtype=dt) for _ in range(n_layer)]
+    vc = [torch.zeros(1, hk, n_ctx, hd, device=dev, dtype=dt) for _ in range(n_layer)]
+
+    def forward(x, start, n):
+        for i, L in enumerate(layers):
+            y = F.rms_norm(x, (d,))
+            q, k, v = (y @ L["qkv"].T).split([h * hd, hk * hd, hk * hd], dim=-1)
+            q = q.view(1, n, h, hd).transpose(1, 2)
+            kc[i][:, :, start : start + n] = k.view(1, n, hk, hd).transpose(1, 2)
+            vc[i][:, :, start : start + n] = v.view(1, n, hk, hd).transpose(1, 2)
+            keys, values = kc[i][:, :, : start + n], vc[i][:, :, : start + n]
+            a = F.scaled_dot_product_attention(q, keys, values, is_causal=n > 1, enable_gqa=hk != h)
+            x = x + a.transpose(1, 2).reshape(n, h * hd) @ L["o"].T
+            gate, up = (F.rms_norm(x, (d,)) @ L["up"].T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ L["down"].T
+        return F.rms_norm(x[-1:], (d,)) @ out_w.T
+
+    x = rand(n_prompt, d)
+    with torch.no_grad():
+        forward(x, 0, n_prompt)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            forward(x, 0, n_prompt)
+        torch.cuda.synchronize()
+        pp = 3 * n_prompt / (time.perf_counter() - t0)
+        # decode at a fixed cache length (n_prompt), through a graph
+        x1 = rand(1, d)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            forward(x1, n_prompt, 1)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward(x1, n_prompt, 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_gen):
+            graph.replay()
+        torch.cuda.synchronize()
+        tg = n_gen / (time.perf_counter() - t0)
+    weight_bytes = sum(sum(t.numel() * 2 for t in L.values()) for L in layers) + out_w.numel() * 2
+    return {"pp": pp, "tg": tg, "weight_bytes": weight_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K"])
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    import cupy as cp
+    from helpers import write_tiny_model
+
+    copy = copy_bandwidth()
+    print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"copy bandwidth (read + write): {copy / 1e12:.2f} TB/s")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            arch, d, ff, n_layer, h, hk, vocab = SHAPES[shape]
+            for qtype in args.types:
+                if qtype in FITS and not FITS[qtype](shape):
+                    continue
+                path = Path(tmp) / f"{shape}-{qtype}.gguf"
+                t0 = time.perf_counter()
+                write_tiny_model(
+                    path, arch, qtype, d, ff, n_layer, h, hk, vocab, 4096, tied=False, fast=True
+                )
+                made = time.perf_counter() - t0
+                r = bench_fastrun(path, args.n_prompt, args.n_gen, args.batch)
+                path.unlink()
+                r.update(shape=shape, type=qtype, peer="fastrun", write_s=made)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            if not args.no_torch:
+                r = bench_torch(shape, args.n_prompt, args.n_gen)
+                r.update(shape=shape, type="F16", peer="torch")
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    print()
+    print("| shape | weights | peer | pp512 tok/s | tg128 tok/s | % of copy bw | batch tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        share = r["weight_bytes"] * r["tg"] / copy * 100
+        batch = f"{r['tg_batch']:.0f}" if "tg_batch" in r else "-"
+        print(
+            f"| {r['shape']} | {r['type']} | {r['peer']} | {r['pp']:.0f} | {r['tg']:.0f} | "
+            f"{share:.0f} % | {batch} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"copy_bw": copy, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
