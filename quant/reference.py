@@ -236,8 +236,11 @@ def _quant_q8_1(x, out):
 
 
 def _quant_q8_k(x, out):
+    """llama.cpp's quantize_row_q8_K_ref (x86 uses it too): iscale = -127 / signed max, one
+    rounding; q = round half to even of iscale * x, at most 127; d = 1 / iscale."""
     mx = _signed_absmax(x)
-    iscale = _inv(mx) * np.float32(-127)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx != 0, np.float32(-127) / mx, np.float32(0)).astype(np.float32)
     q = np.minimum(127, np.rint(x * iscale[:, None])).astype(np.int8)
     out["d"] = _inv(iscale)
     out["qs"] = q

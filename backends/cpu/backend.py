@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastrun.backends.base import Backend, RopeConfig, Weight
-from fastrun.backends.cpu import matmul, ops
+from fastrun.backends.cpu import fused, matmul, ops
 from fastrun.formats.errors import FastrunError
 from fastrun.quant import dequantize
 from fastrun.quant.formats import block_format
@@ -104,15 +104,61 @@ class CPUBackend(Backend):
             w.raw, x, w.kernel, w.format.block_size, w.format.activation == "Q8_K"
         )
 
-    def matmul_many(self, x, ws):
+    def _group(self, ws) -> _Group:
         key = tuple(id(w) for w in ws)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(ws)
+        return group
+
+    def matmul_many(self, x, ws):
+        group = self._group(ws)
         if group.kernels is None:
             return [self.matmul(x, w) for w in ws]
         x = np.ascontiguousarray(x, np.float32)
         return matmul.qmatmul_many(group.raws, x, group.kernels, group.block_size, group.q8k)
+
+    # -- fused steps: one compiled call each (fused.py), same arithmetic as the composition --
+
+    def norm_matmul_many(self, x, weight, eps, ws):
+        group = self._group(ws)
+        if group.kernels is None:
+            return super().norm_matmul_many(x, weight, eps, ws)
+        x = np.ascontiguousarray(x, np.float32)
+        args = (group.kernels, group.block_size, group.q8k)
+        return fused.norm_qmatmul_many(group.raws, x, weight, float(eps), *args)
+
+    def matmul_add(self, x, w, residual):
+        if w.qtype not in matmul.FORMATS:
+            return super().matmul_add(x, w, residual)
+        x = np.ascontiguousarray(x, np.float32)
+        args = (w.kernel, w.format.block_size, w.format.activation == "Q8_K")
+        return fused.qmatmul_add(w.raw, x, residual, *args)
+
+    def silu_mul_matmul_add(self, gate, up, w, residual):
+        if w.qtype not in matmul.FORMATS:
+            return super().silu_mul_matmul_add(gate, up, w, residual)
+        gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+        args = (w.kernel, w.format.block_size, w.format.activation == "Q8_K")
+        return fused.silu_qmatmul_add(w.raw, gate, up, residual, *args)
+
+    def attention_inputs(self, q, k, v, biases, k_cache, v_cache, positions, slots, rope):
+        q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))
+        biases = (_NO_FACTORS,) * 3 if biases is None else tuple(biases)
+        factors = _NO_FACTORS if rope.freq_factors is None else rope.freq_factors
+        config = (rope.n_dims, float(rope.freq_base), float(rope.freq_scale), rope.neox)
+        return fused.rope_kv(
+            q,
+            k,
+            v,
+            biases,
+            k_cache,
+            v_cache,
+            np.ascontiguousarray(positions, np.int32),
+            np.ascontiguousarray(slots, np.int32),
+            config,
+            np.ascontiguousarray(factors, np.float32),
+        )
 
     def embed(self, w, ids):
         rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])

@@ -14,32 +14,10 @@ import numba as nb
 import numpy as np
 
 from fastrun.backends.cpu.activations import quantize
+from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.rowdot import ROWDOT
 
-
-def _drop_stale_cache() -> None:
-    """Numba keys this file's cached kernels on this file alone; the IR they inline comes from
-    rowdot.py and simd.py, so a change there must drop the cache too."""
-    import hashlib
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("rowdot.py", "simd.py")))
-    stamp = here / "__pycache__" / "matmul.kernels.sha256"
-    try:
-        if stamp.exists() and stamp.read_text() == digest.hexdigest():
-            return
-        for old in list(stamp.parent.glob("matmul.*.nbi")) + list(
-            stamp.parent.glob("matmul.*.nbc")
-        ):
-            old.unlink()
-        stamp.parent.mkdir(exist_ok=True)
-        stamp.write_text(digest.hexdigest())
-    except OSError:
-        pass  # a read-only install: Numba then caches elsewhere, or not at all
-
-
-_drop_stale_cache()
+drop_stale_cache("matmul", ("rowdot.py", "simd.py"))  # the IR its kernels inline
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
 

@@ -30,7 +30,8 @@ __device__ __forceinline__ int warp_sum_int(int v) {
 // an optional transform: RMSNorm with weight `norm` (x / rms(x) * norm; each block sums the
 // row's squares itself), or SiLU-multiply with `up` (silu(x) * up).
 // mode 0: Q8_0/Q8_1 per 32 (x86 SIMD rounding: inverse scale 127 / amax, half to even);
-// mode 1: Q8_K per 256 (d = 1 / iscale, iscale = -127 / signed absmax), as the references.
+// mode 1: Q8_K per 256 (d = 1 / iscale, iscale = -127 / signed absmax), as llama.cpp's
+// quantize_row_q8_K_ref, which its x86 and ARM paths call.
 extern "C" __global__ void __launch_bounds__(256)
     quantize_rows(const float* __restrict__ x, int x_stride, const float* __restrict__ norm,
                   double eps, const float* __restrict__ up, int up_stride, int K, int mode,
@@ -97,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(256)
         s_idx[0] = bi;
     }
     __syncthreads();
-    if (tid == s_idx[0]) s_iscale = v != 0.f ? __fmul_rn(__fdiv_rn(1.f, v), -127.f) : 0.f;
+    if (tid == s_idx[0]) s_iscale = v != 0.f ? __fdiv_rn(-127.f, v) : 0.f;  // one rounding
     __syncthreads();
     const float iscale = s_iscale;
     const int q = min(127, __float2int_rn(__fmul_rn(v, iscale)));
