@@ -34,7 +34,7 @@ System = Annotated[str | None, typer.Option("--system", help="System message (ch
 
 def load_model(model: str, backend: str, ctx_size: int | None, threads: int | None):
     from fastrun.backends.cpu.backend import kernels_cached
-    from fastrun.backends.cuda import cuda_available
+    from fastrun.backends.cuda import cuda_available, require_cuda
     from fastrun.runner.api import Model
 
     path = resolve(model)
@@ -44,6 +44,7 @@ def load_model(model: str, backend: str, ctx_size: int | None, threads: int | No
         stderr_console.print("[dim]fastrun: compiling CPU kernels (first run only)...[/dim]")
     if backend != "cuda":
         return Model(path, backend=backend, n_ctx=ctx_size, threads=threads)
+    require_cuda()  # before the bar is drawn
     with DownloadProgress() as bar:  # weights go to the GPU once, with a bar
         bar.start("upload to GPU", os.path.getsize(path))
         m = Model(path, backend=backend, n_ctx=ctx_size, progress=bar.advance)

@@ -151,3 +151,14 @@ def test_run_ctrl_c_exits_130(smollm2_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 130
+
+
+def test_cuda_backend_without_a_gpu_is_one_line(tiny_model):
+    from fastrun.backends.cuda import cuda_available
+
+    if cuda_available():
+        pytest.skip("a GPU is here")
+    r = fastrun("run", str(tiny_model), "hi", "--backend", "cuda")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == r.stderr.strip().splitlines()[0]
+    assert "the CUDA backend needs CuPy and an NVIDIA GPU" in r.stderr

@@ -13,7 +13,8 @@ def cuda_available() -> bool:
         return False
 
 
-def CUDABackend(**options):  # noqa: N802 - imports CuPy only when a GPU backend is asked for
+def require_cuda() -> None:
+    """Raise the one-line error a user sees when the CUDA backend cannot run here."""
     from fastrun.formats.errors import FastrunError
 
     if not cuda_available():
@@ -21,6 +22,10 @@ def CUDABackend(**options):  # noqa: N802 - imports CuPy only when a GPU backend
             "the CUDA backend needs CuPy and an NVIDIA GPU "
             "(pip install 'fastrun[cuda12]' or 'fastrun[cuda13]'); use --backend cpu"
         )
+
+
+def CUDABackend(**options):  # noqa: N802 - imports CuPy only when a GPU backend is asked for
+    require_cuda()
     from fastrun.backends.cuda.backend import CUDABackend as Backend
 
     return Backend(**options)
