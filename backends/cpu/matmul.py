@@ -17,7 +17,7 @@ from fastrun.backends.cpu.activations import quantize
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.rowdot import ROWDOT
 
-drop_stale_cache("matmul", ("rowdot.py", "simd.py"))  # the IR its kernels inline
+drop_stale_cache("matmul", ("rowdot.py", "simd.py", "activations.py"))  # code it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
 
