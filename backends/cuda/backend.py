@@ -1,8 +1,9 @@
 """CUDABackend: the Backend contract on CuPy RawModule kernels (matmul.cu, ops.cu).
 
 Weights are repacked once on the device (weights.py); activations are float32 CuPy arrays; the
-KV cache is fp16. Matrix products quantize the activation to 8 bits as llama.cpp's CPU path
-pairs it with the weight format, so results match the NumPy reference backend.
+KV cache is fp16. Matrix products of up to DENSE_ROWS - 1 tokens quantize the activation to 8
+bits as llama.cpp's CPU path pairs it with the weight format, so they match the NumPy
+reference backend; larger batches (prefill) go through cuBLAS in fp16.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastrun.backends.reference import rope_angles
 from fastrun.formats.errors import FastrunError
 
 SOURCES = Path(__file__).resolve().parent
-MATVEC_TOKENS = (1, 2, 4, 8)  # a matvec kernel per token count; more tokens use tensor cores
+MATVEC_TOKENS = (1, 2, 4, 8)  # a matvec kernel per count of tokens in a block
 MATVEC_ROWS = 16  # weight rows per matvec block: 8 warps of MV_ROWS = 2 (matmul.cu)
 MATVEC_BATCH = 16  # up to this many tokens: matvec blocks of 8 tokens (a 16-session decode
 # batch of the 7B shape: 1417 tok/s, against 1399 through the tensor-core kernel)
