@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+MIN_COMPUTE_CAPABILITY = 80  # int8 mma.sync m16n8k32 (Ampere and newer)
+
 
 def cuda_available() -> bool:
-    """True when CuPy imports and sees at least one GPU."""
+    """True when CuPy imports and its first GPU can run the kernels."""
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return False
+        return int(cupy.cuda.Device(0).compute_capability) >= MIN_COMPUTE_CAPABILITY
     except Exception:  # no CuPy, no driver, no device
         return False
 
@@ -19,7 +23,7 @@ def require_cuda() -> None:
 
     if not cuda_available():
         raise FastrunError(
-            "the CUDA backend needs CuPy and an NVIDIA GPU "
+            "the CUDA backend needs CuPy and an NVIDIA GPU of compute capability 8.0 or newer "
             "(pip install 'fastrun[cuda12]' or 'fastrun[cuda13]'); use --backend cpu"
         )
 
