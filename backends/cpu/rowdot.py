@@ -118,20 +118,28 @@ def _b32(block_bytes, qs_at, qh_at=-1, offset=0, has_min=False, signed=False):
 
 
 def _k_scales(builder, row, at):
-    """The 8 six-bit (scale, min) pairs of Q4_K/Q5_K from the 12 bytes at row[at]."""
-    s = [_byte(builder, row, builder.add(at, _c64(i))) for i in range(12)]
-    c63, c15, c6, c4 = (ir.Constant(I32, v) for v in (63, 15, 6, 4))
-    sc, mn = [], []
-    for j in range(8):
-        if j < 4:
-            sc.append(builder.and_(s[j], c63))
-            mn.append(builder.and_(s[j + 4], c63))
-        else:
-            top = builder.shl(builder.lshr(s[j - 4], c6), c4)
-            sc.append(builder.or_(builder.and_(s[j + 4], c15), top))
-            top = builder.shl(builder.lshr(s[j], c6), c4)
-            mn.append(builder.or_(builder.lshr(s[j + 4], c4), top))
-    return sc, mn
+    """The 8 six-bit scales (<8 x i16>) and mins (<8 x i32>) of Q4_K/Q5_K from the 12 bytes at
+    row[at], unpacked four at a time in 32-bit words with llama.cpp's masks."""
+    u0, u1, u2 = (_load(builder, row, builder.add(at, _c64(4 * i)), I32) for i in range(3))
+    k1, k2, k3 = (ir.Constant(I32, v) for v in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+    c4, c6 = ir.Constant(I32, 4), ir.Constant(I32, 6)
+
+    def high_bits(word):  # bits 6-7 of each byte of word, moved to bits 4-5
+        return builder.shl(builder.and_(builder.lshr(word, c6), k3), c4)
+
+    scales = (builder.and_(u0, k1), builder.or_(builder.and_(u2, k2), high_bits(u0)))
+    mins = (
+        builder.and_(u1, k1),
+        builder.or_(builder.and_(builder.lshr(u2, c4), k2), high_bits(u1)),
+    )
+
+    def bytes8(pair, ty):
+        words = ir.Constant(vec(I32, 2), ir.Undefined)
+        for i, w in enumerate(pair):
+            words = builder.insert_element(words, w, ir.Constant(I32, i))
+        return builder.zext(builder.bitcast(words, vec(I8, 8)), vec(ty, 8))
+
+    return bytes8(scales, I16), bytes8(mins, I32)
 
 
 def _k45(fifth_bit: bool):
@@ -140,10 +148,7 @@ def _k45(fifth_bit: bool):
     def block(builder, row, base, b, toks):
         d = _f16(builder, row, base)
         dmin = _f16(builder, row, builder.add(base, _c64(2)))
-        sc, mn = _k_scales(builder, row, builder.add(base, _c64(4)))
-        mins = ir.Constant(_V8I, ir.Undefined)
-        for j in range(8):
-            mins = builder.insert_element(mins, mn[j], ir.Constant(I32, j))
+        scales, mins = _k_scales(builder, row, builder.add(base, _c64(4)))
         x0 = builder.mul(b, _c64(256))
         totals = [None] * len(toks)
         for j in range(8):  # sub-block outer, tokens inner: one unpacked vector live at a time
@@ -157,7 +162,7 @@ def _k45(fifth_bit: bool):
                 high = _load(builder, row, builder.add(base, _c64(16)), vec(I8, 32))
                 high = builder.and_(builder.lshr(high, splat(I8, 32, j)), splat(I8, 32, 1))
                 v = builder.or_(v, builder.shl(high, splat(I8, 32, 4)))
-            scale_j = _splat_val(builder, builder.trunc(sc[j], I16), I16, 16)
+            scale_j = builder.shuffle_vector(scales, scales, lanes([j] * 16))  # <16 x i16>
             for k, tok in enumerate(toks):
                 xv = tok.x32(builder, builder.add(x0, _c64(32 * j)))
                 part = block_partials(builder, v, xv, False, scale_j)
