@@ -60,10 +60,6 @@ class KVCache:
             n += 1
         return n
 
-    def slots(self, positions: np.ndarray) -> np.ndarray:
-        """Cache rows of positions (int32 [n])."""
-        return (positions + self.base).astype(np.int32)
-
     def free(self) -> None:
         """Release the storage; the cache is unusable afterwards."""
         self.k, self.v, self.tokens = [], [], []

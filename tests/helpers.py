@@ -61,11 +61,10 @@ def random_blocks(
     fast: random quantized fields with sane scales for every block format (no float matrix
     quantized), for model-sized benchmarks. std: of the float weights quantized otherwise."""
     fmt = block_format(qtype)
-    if fast and fmt.block_size > 1:
+    if fast and qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):  # K-quants: always fast
         nb = n_rows * n_cols // fmt.block_size
         raw = rng.integers(0, 256, (nb, fmt.block_bytes), dtype=np.uint8)
-        scale_at = {"Q6_K": [208], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}
-        for at in scale_at.get(qtype, [0]):
+        for at in (0, 2) if qtype in ("Q4_1", "Q5_1") else (0,):  # d (and m)
             d = (rng.random(nb) * 0.004 + 0.001).astype(np.float16)
             raw[:, at : at + 2] = d.view(np.uint8).reshape(nb, 2)
         return raw.reshape(n_rows, -1)

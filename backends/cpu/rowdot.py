@@ -142,6 +142,14 @@ def _k_scales(builder, row, at):
     return bytes8(scales, I16), bytes8(mins, I32)
 
 
+def _add_partials(builder, totals, toks, v, x_at, scales16):
+    """totals[k] += scaled partial sums of 32 unsigned weights v against token k's 32
+    activations at x_at (one unpacked weight vector, every token)."""
+    for k, tok in enumerate(toks):
+        part = block_partials(builder, v, tok.x32(builder, x_at), False, scales16)
+        totals[k] = part if totals[k] is None else builder.add(totals[k], part)
+
+
 def _k45(fifth_bit: bool):
     block_bytes, qs_at = (176, 48) if fifth_bit else (144, 16)
 
@@ -163,10 +171,7 @@ def _k45(fifth_bit: bool):
                 high = builder.and_(builder.lshr(high, splat(I8, 32, j)), splat(I8, 32, 1))
                 v = builder.or_(v, builder.shl(high, splat(I8, 32, 4)))
             scale_j = builder.shuffle_vector(scales, scales, lanes([j] * 16))  # <16 x i16>
-            for k, tok in enumerate(toks):
-                xv = tok.x32(builder, builder.add(x0, _c64(32 * j)))
-                part = block_partials(builder, v, xv, False, scale_j)
-                totals[k] = part if totals[k] is None else builder.add(totals[k], part)
+            _add_partials(builder, totals, toks, v, builder.add(x0, _c64(32 * j)), scale_j)
         out = []
         for k, tok in enumerate(toks):
             xd = builder.load(builder.gep(tok.xd, [b]))
@@ -205,11 +210,8 @@ def _q6k(builder, row, base, b, toks):
             v = builder.or_(lo, builder.shl(hi, splat(I8, 32, 4)))
             g = 8 * half + 2 * quarter  # lanes 0-3 hold values 0-15 (scale g), 4-7 the next 16
             lane_scales = builder.shuffle_vector(scales16, scales16, lanes([g] * 8 + [g + 1] * 8))
-            k32 = 4 * half + quarter
-            for k, tok in enumerate(toks):
-                xv = tok.x32(builder, builder.add(x0, _c64(32 * k32)))
-                part = block_partials(builder, v, xv, False, lane_scales)
-                totals[k] = part if totals[k] is None else builder.add(totals[k], part)
+            x_at = builder.add(x0, _c64(32 * (4 * half + quarter)))
+            _add_partials(builder, totals, toks, v, x_at, lane_scales)
     out = []
     for k, tok in enumerate(toks):
         xd = builder.load(builder.gep(tok.xd, [b]))

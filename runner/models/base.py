@@ -181,7 +181,7 @@ class Transformer:
         try:
             positions = np.concatenate([s.append([t]) for s, t in zip(seqs, ids, strict=True)])
             starts = np.array([s.base for s in seqs], np.int32)
-            return self._run(ids, positions, starts + positions, starts, batch, True)
+            return self._run(ids, positions, starts, batch, True)
         except BaseException:
             for s, n in zip(seqs, lengths, strict=True):
                 s.trim(n)
@@ -190,11 +190,13 @@ class Transformer:
     def _forward_chunk(self, ids: np.ndarray, cache: KVCache, all_logits: bool | None):
         positions = cache.append(ids)  # int32 [n]
         starts = np.full(len(ids), cache.base, np.int32)
-        return self._run(ids, positions, cache.slots(positions), starts, cache, all_logits)
+        return self._run(ids, positions, starts, cache, all_logits)
 
-    def _run(self, ids, positions, slots, starts, cache, all_logits: bool | None):
-        """Host logits of a pass (None for an inner prefill chunk). A pass of one token per
+    def _run(self, ids, positions, starts, cache, all_logits: bool | None):
+        """Host logits of a pass (None for an inner prefill chunk); starts: each token's
+        sequence's first cache row, so its row is starts + position. A pass of one token per
         sequence goes through the backend's graph_step where it has one (CUDA graphs)."""
+        slots = (starts + positions).astype(np.int32)
         graph_step = getattr(self.backend, "graph_step", None)
         decode = all_logits is not None and (len(ids) == 1 or isinstance(cache, BatchKVCache))
         if graph_step is not None and decode:
