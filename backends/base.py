@@ -129,3 +129,22 @@ class Backend(ABC):
         k = self.rope(k.reshape(n, -1, hd), positions, rope)
         self.kv_write(k_cache, v_cache, k, v.reshape(n, -1, hd), slots)
         return q
+
+    # -- token selection ----------------------------------------------------------------------
+
+    def top_k(self, logits, k: int) -> tuple:
+        """The k largest values of each row of logits [n, vocab], best first and the lower id
+        first on ties: (ids int32 [n, k], values float32 [n, k]) on the backend. A decode step
+        returns these instead of whole rows where the sampler needs no more."""
+        x = np.asarray(self.to_host(logits), np.float32)
+        x = np.where(np.isnan(x), -np.inf, x)
+        if k == 1:  # the first of the largest: the lowest id
+            ids = np.argmax(x, axis=1).astype(np.int32)[:, None]
+            return ids, np.take_along_axis(x, ids, axis=1)
+        ids = np.empty((len(x), k), np.int32)
+        for r, row in enumerate(x):
+            least = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
+            above = np.flatnonzero(row > least)
+            chosen = np.concatenate([above, np.flatnonzero(row == least)[: k - len(above)]])
+            ids[r] = chosen[np.lexsort((chosen, -row[chosen]))]
+        return ids, np.take_along_axis(x, ids, axis=1)

@@ -7,30 +7,29 @@ import time
 
 import numpy as np
 
+from fastrun.runner.generate import decode_step
 
-def bench_prefill(model, n_prompt: int, rng: np.random.Generator) -> float:
-    """Seconds to run n_prompt random tokens through a fresh cache (logits of the last only)."""
+
+def bench_prefill(model, cache, n_prompt: int, rng: np.random.Generator) -> float:
+    """Seconds to run n_prompt random tokens through the emptied cache (logits of the last)."""
     tf = model.transformer
     ids = rng.integers(0, tf.config.n_vocab, n_prompt)
-    cache = tf.new_cache(n_prompt)
+    cache.trim(0)
     t0 = time.perf_counter()
     tf.forward(ids, cache)
-    dt = time.perf_counter() - t0
-    cache.free()
-    return dt
+    return time.perf_counter() - t0
 
 
-def bench_decode(model, n_gen: int, rng: np.random.Generator) -> float:
-    """Seconds to generate n_gen tokens one at a time, from an empty cache (llama-bench tg)."""
+def bench_decode(model, cache, n_gen: int, rng: np.random.Generator) -> float:
+    """Seconds to generate n_gen greedy tokens one at a time from the emptied cache (llama-bench
+    tg); the token is picked on the backend, as generation does."""
     tf = model.transformer
-    cache = tf.new_cache(n_gen + 1)
+    cache.trim(0)
     token = int(rng.integers(0, tf.config.n_vocab))
     t0 = time.perf_counter()
     for _ in range(n_gen):
-        token = int(np.argmax(tf.forward([token], cache)[-1]))
-    dt = time.perf_counter() - t0
-    cache.free()
-    return dt
+        token = int(decode_step(tf, cache, token, top_k=1).ids[0])
+    return time.perf_counter() - t0
 
 
 def run_bench(model, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> list[dict]:
@@ -40,8 +39,11 @@ def run_bench(model, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> lis
     for test, n, fn in (("pp", n_prompt, bench_prefill), ("tg", n_gen, bench_decode)):
         if n <= 0:
             continue
-        fn(model, min(n, 16), rng)  # warm-up: compiled kernels, caches, page faults
-        rates = [n / fn(model, n, rng) for _ in range(reps)]
+        # one cache for all repetitions, as llama-bench (a CUDA decode graph is captured once)
+        cache = model.transformer.new_cache(n + 1)
+        fn(model, cache, min(n, 16), rng)  # warm-up: compiled kernels, caches, page faults
+        rates = [n / fn(model, cache, n, rng) for _ in range(reps)]
+        cache.free()
         rows.append(
             {
                 "test": f"{test}{n}",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastrun.runner.kv_cache import KVCache
-from fastrun.runner.sampling import Sampler, SamplingParams
+from fastrun.runner.sampling import Candidates, Sampler, SamplingParams
 
 
 class Token(str):
@@ -50,17 +50,25 @@ class Completion:
         return n / self.decode_seconds if self.decode_seconds and n else 0.0
 
 
-def prefill(model, cache: KVCache, ids: list[int]) -> tuple[np.ndarray, int]:
+def _last(out) -> np.ndarray | Candidates:
+    """The last token's logits, or its Candidates, from model.forward's result."""
+    if isinstance(out, tuple):
+        return Candidates(out[0][-1], out[1][-1])
+    return out[-1]
+
+
+def prefill(model, cache: KVCache, ids: list[int], top_k: int = 0):
     """Bring the cache to hold `ids`, reusing its longest common prefix; returns the logits
-    after the last id and how many ids were run."""
+    after the last id (with top_k: its k most likely tokens, Candidates) and how many ids
+    were run."""
     keep = min(cache.common_prefix(ids), len(ids) - 1)  # the last id always runs: its logits
     cache.trim(keep)
-    return model.forward(ids[keep:], cache)[-1], len(ids) - keep
+    return _last(model.forward(ids[keep:], cache, top_k=top_k)), len(ids) - keep
 
 
-def decode_step(model, cache: KVCache, token: int) -> np.ndarray:
-    """Run one token; returns the logits for the next."""
-    return model.forward([token], cache)[-1]
+def decode_step(model, cache: KVCache, token: int, top_k: int = 0):
+    """Run one token; returns the logits for the next (with top_k: Candidates)."""
+    return _last(model.forward([token], cache, top_k=top_k))
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -88,7 +96,8 @@ def stream(
     decoder = tokenizer.stream_decoder()
     out.prompt_tokens = len(prompt_ids)
     t0 = time.perf_counter()
-    logits, out.prefilled_tokens = prefill(model, cache, prompt_ids)
+    top_k = sampler.candidates  # on the GPU only these come back from the device
+    logits, out.prefilled_tokens = prefill(model, cache, prompt_ids, top_k)
     out.prefill_seconds = time.perf_counter() - t0
     pending = ""  # decoded text not yet emitted: it may be the start of a stop string
     t0 = time.perf_counter()
@@ -113,7 +122,7 @@ def stream(
             if len(out.tokens) >= params.max_tokens or cache.free_slots == 0:
                 out.finish_reason = "length"
                 break
-            logits = decode_step(model, cache, token)
+            logits = decode_step(model, cache, token, top_k)
         pending += decoder.flush()
         if pending:
             out.text += pending

@@ -33,6 +33,18 @@ class SamplingParams:
         return cls(temperature=0.0, **overrides)
 
 
+MAX_CANDIDATES = 64  # the largest top-k that the backend selects for the sampler
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The most likely next tokens, best first, as the backend selected them (on the GPU:
+    only these come back from the device instead of the whole row of logits)."""
+
+    ids: np.ndarray  # int32 [k]
+    logits: np.ndarray  # float32 [k]
+
+
 class Sampler:
     """Picks token ids from logits; owns the random generator, so the same seed gives the
     same tokens."""
@@ -41,8 +53,23 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+    @property
+    def candidates(self) -> int:
+        """How many of the most likely tokens the sampler needs (Candidates); 0: it needs
+        the whole row of logits (penalties, or top-k off or above MAX_CANDIDATES)."""
         p = self.params
+        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            return 0
+        if p.temperature <= 0:
+            return 1
+        return p.top_k if 0 < p.top_k <= MAX_CANDIDATES else 0
+
+    def __call__(self, logits: np.ndarray | Candidates, history: list[int]) -> int:
+        p = self.params
+        if isinstance(logits, Candidates):  # already the top k, best first
+            if p.temperature <= 0:
+                return int(logits.ids[0])
+            return self._draw(logits.ids, logits.logits.astype(np.float64))
         logits = np.asarray(logits, np.float32).reshape(-1)
         if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             logits = self._penalize(
@@ -54,7 +81,12 @@ class Sampler:
         if 0 < p.top_k < logits.size:
             ids = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
         ids = ids[np.argsort(-logits[ids], kind="stable")]  # most likely first
-        kept = logits[ids].astype(np.float64)
+        return self._draw(ids, logits[ids].astype(np.float64))
+
+    def _draw(self, ids: np.ndarray, kept: np.ndarray) -> int:
+        """top-p, min-p, temperature and the draw over the top-k ids, kept their logits
+        (float64), best first."""
+        p = self.params
         probs = np.exp(kept - kept[0])
         probs /= probs.sum()
         if p.top_p < 1.0:

@@ -97,10 +97,10 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int) -> dict:
     prefill()  # compile and warm
     pp = n_prompt / timed(prefill)
 
-    def decode(cache, steps):
+    def decode(cache, steps):  # greedy, the token picked on the device
         token = 1
         for _ in range(steps):
-            token = int(np.argmax(model.forward([token], cache)[-1]))
+            token = int(model.forward([token], cache, top_k=1)[0][-1, 0])
 
     cache = model.new_cache(n_prompt + n_gen + 8)
     model.forward(prompt, cache)
@@ -119,8 +119,8 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int) -> dict:
         def decode_batch(steps):
             nonlocal tokens
             for _ in range(steps):
-                logits = model.forward_batch(tokens, batch_cache)
-                tokens = [int(t) for t in np.argmax(logits, axis=-1)]
+                ids, _ = model.forward_batch(tokens, batch_cache, top_k=1)
+                tokens = [int(t) for t in ids[:, 0]]
 
         decode_batch(2)
 

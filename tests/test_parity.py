@@ -292,3 +292,20 @@ def test_matmul_many_tokens(backend, qtype):
         backend, backend.matmul(dev(backend, x), backend.load_weight(raw, qtype, n_out, n_in))
     )
     np.testing.assert_allclose(got, exact, rtol=0, atol=1e-2 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("k", [1, 40, 64])
+@pytest.mark.parametrize("vocab", [300, 49152, 152064])
+def test_top_k(backend, k, vocab):
+    rng = np.random.default_rng(seed_of(k, vocab))
+    x = rng.standard_normal((3, vocab)).astype(np.float32)
+    x[1, rng.integers(0, vocab, 80)] = 9.0  # ties at the top: the lower ids come first
+    x[2, :50] = np.nan  # NaN never wins
+    x[2, 60] = np.inf
+    ids, values = (host(backend, a) for a in backend.top_k(dev(backend, x), k))
+    expect_ids, expect_values = ref.top_k(x, k)
+    np.testing.assert_array_equal(ids, expect_ids)
+    np.testing.assert_array_equal(values, expect_values)
+    assert ids[1, 0] == np.flatnonzero(x[1] == 9.0)[0]
+    largest = -np.sort(-np.nan_to_num(x, nan=-np.inf, posinf=np.inf), axis=1)[:, :k]
+    np.testing.assert_array_equal(expect_values, largest)

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
+from fastrun.backends.reference import ReferenceBackend
 from fastrun.runner.api import Model, sampling_params
 from fastrun.runner.generate import _held_back
-from fastrun.runner.sampling import Sampler, SamplingParams
+from fastrun.runner.sampling import Candidates, Sampler, SamplingParams
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], np.float32))
 
@@ -73,3 +74,18 @@ def test_generation_stops(tiny_model):
     a = m.complete("the", temperature=1.0, seed=3, max_tokens=10).tokens
     b = m.complete("the", temperature=1.0, seed=3, max_tokens=10).tokens
     assert a == b
+
+
+def test_candidates_draw_as_the_whole_row():
+    """The backend's top-k candidates give the same draws as the whole row of logits."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(1000).astype(np.float32) * 3
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed=11)
+    ids, values = ReferenceBackend().top_k(logits[None], Sampler(params).candidates)
+    whole, chosen = Sampler(params), Sampler(params)
+    top = Candidates(ids[0], values[0])
+    assert [whole(logits, []) for _ in range(200)] == [chosen(top, []) for _ in range(200)]
+    assert Sampler(SamplingParams.greedy()).candidates == 1
+    assert Sampler(SamplingParams.greedy())(Candidates(ids[0, :1], values[0, :1]), []) == ids[0, 0]
+    assert Sampler(SamplingParams(top_k=0)).candidates == 0  # the whole row is needed
+    assert Sampler(SamplingParams(repeat_penalty=1.1)).candidates == 0

@@ -8,6 +8,9 @@ reference backend; larger batches (prefill) go through cuBLAS in fp16.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import cupy as cp
@@ -15,18 +18,23 @@ import numpy as np
 
 from fastrun.backends.base import Backend, RopeConfig, Weight
 from fastrun.backends.cuda.graphs import StepGraph
+from fastrun.backends.cuda.launch import Launcher
 from fastrun.backends.cuda.weights import FLOAT_FORMATS, KERNEL_FORMATS, repack
 from fastrun.backends.reference import rope_angles
 from fastrun.formats.errors import FastrunError
 
 SOURCES = Path(__file__).resolve().parent
 MATVEC_TOKENS = (1, 2, 4, 8)  # a matvec kernel per count of tokens in a block
-MATVEC_ROWS = 16  # weight rows per matvec block: 8 warps of MV_ROWS = 2 (matmul.cu)
+# matvec tuning, "rows per warp,groups in flight per lane at one token" (MV_ROWS, MV_UNROLL1)
+MATVEC_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC", "2,4").split(","))
+MATVEC_ROWS = 8 * MATVEC_TUNING[0]  # weight rows per matvec block: 8 warps (matmul.cu)
 MATVEC_BATCH = 16  # up to this many tokens: matvec blocks of 8 tokens (a 16-session decode
 # batch of the 7B shape: 1417 tok/s, against 1399 through the tensor-core kernel)
 MMA_TILES = (2, 8)  # int8 tensor-core kernels: 16 or 64 tokens per block
 DENSE_ROWS = 128  # from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
 ATTN_TILE = 64  # cache positions per attention tile (ATTN_TILE in ops.cu)
+ATTN_MAX_SPLITS = 128  # at most as many splits as the merge's threads (ops.cu)
+SELECT_CHUNK, SELECT_MAX = 4096, 64  # logits per top_k block; the largest k (select.cu)
 _i32 = np.int32
 _NULL = np.uint64(0)  # a null pointer argument
 
@@ -51,7 +59,8 @@ class _Kernels:
     """The compiled modules; NVRTC compiles them on first use and CuPy caches the binaries."""
 
     def __init__(self):
-        options = ("-std=c++17", f"-I{SOURCES}", f"-DMV_ROWS={MATVEC_ROWS // 8}")
+        rows, unroll = MATVEC_TUNING
+        options = ("-std=c++17", f"-I{SOURCES}", f"-DMV_ROWS={rows}", f"-DMV_UNROLL1={unroll}")
         names = []
         for f in KERNEL_FORMATS.values():
             names += [f"matvec_q<{f}, {t}>" for t in MATVEC_TOKENS]
@@ -63,13 +72,19 @@ class _Kernels:
             code=(SOURCES / "matmul.cu").read_text(), options=options, name_expressions=names
         )
         self.ops = cp.RawModule(code=(SOURCES / "ops.cu").read_text(), options=options)
-        self._cache: dict[str, cp.RawKernel] = {}
+        self.select = cp.RawModule(code=(SOURCES / "select.cu").read_text(), options=options)
+        self.launch = Launcher()
+        self._cache: dict[str, Callable] = {}
 
-    def __call__(self, name: str) -> cp.RawKernel:
+    def __call__(self, name: str) -> Callable:
+        """The kernel as kernel(grid, block, args), launched with PDL where the GPU has it."""
         kernel = self._cache.get(name)
         if kernel is None:
-            module = self.matmul if "<" in name or name.startswith("quantize") else self.ops
-            kernel = self._cache[name] = module.get_function(name)
+            if "<" in name or name.startswith("quantize"):
+                module = self.matmul
+            else:
+                module = self.select if name == "top_k" else self.ops
+            kernel = self._cache[name] = partial(self.launch, module.get_function(name))
         return kernel
 
 
@@ -90,10 +105,11 @@ class CUDABackend(Backend):
         self.k = _Kernels()
         self._fused: dict[tuple[int, ...], CUDAWeight] = {}  # holds the fused members too
         self._rope_tables: dict[tuple, tuple] = {}
-        self._graphs: dict[int, StepGraph] = {}
+        self._graphs: dict[tuple, StepGraph] = {}
         # per (query, head) counters of finished attention splits; the last block resets its
         # own, so they are zero between launches (one buffer for good: graphs hold its address)
         self._tickets = cp.zeros(1 << 17, cp.int32)
+        self._select_tickets = cp.zeros(1 << 10, cp.int32)  # likewise, per row of top_k
 
     # -- data movement ----------------------------------------------------------------------
 
@@ -116,7 +132,8 @@ class CUDABackend(Backend):
         return cp.zeros(shape, cp.float16)  # the KV cache holds fp16, as llama.cpp's
 
     def to_host(self, x):
-        return cp.asnumpy(x).astype(np.float32, copy=False)
+        x = cp.asnumpy(x)
+        return x.astype(np.float32, copy=False) if x.dtype.kind == "f" else x
 
     @staticmethod
     def _ints(a):
@@ -301,6 +318,21 @@ class CUDABackend(Backend):
         x += bias
         return x
 
+    def top_k(self, logits, k):
+        logits = self._rows(logits)
+        n, vocab = logits.shape
+        chunks = (vocab + SELECT_CHUNK - 1) // SELECT_CHUNK
+        if k > SELECT_MAX or chunks * k > SELECT_CHUNK:
+            return super().top_k(logits, k)
+        if n > self._select_tickets.size:
+            raise FastrunError(f"token selection over {n} rows at once is too many")
+        part_v, part_i = cp.empty((n, chunks, k), cp.float32), cp.empty((n, chunks, k), cp.int32)
+        out_v, out_i = cp.empty((n, k), cp.float32), cp.empty((n, k), cp.int32)
+        args = (logits, _i32(vocab), np.int64(logits.strides[0] // 4), _i32(k), part_v, part_i)
+        args += (self._select_tickets, out_v, out_i)
+        self.k("top_k")((chunks, n), (512,), args)
+        return out_i, out_v
+
     # -- attention --------------------------------------------------------------------------
 
     def kv_write(self, k_cache, v_cache, k, v, slots):
@@ -324,7 +356,7 @@ class CUDABackend(Backend):
         args += (k_cache, v_cache, self._ints(positions), self._ints(slots), powers)
         args += (_NULL if factors is None else factors, _i32(h), _i32(hk), _i32(hd))
         args += (_i32(rope.n_dims), np.float32(rope.freq_scale), _i32(rope.neox))
-        self.k("rope_kv")((n,), (256,), args)
+        self.k("rope_kv")((n, h + hk), (64,), args)
         return q_out
 
     def attention(self, q, k_cache, v_cache, positions, scale, starts=None):
@@ -337,7 +369,8 @@ class CUDABackend(Backend):
             longest = int(np.max(positions)) + 1
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
         # positions (in tiles of ATTN_TILE) and the combine merges them
-        splits = max(1, min((longest + ATTN_TILE - 1) // ATTN_TILE, max(1, 512 // (n * h))))
+        splits = (longest + ATTN_TILE - 1) // ATTN_TILE
+        splits = max(1, min(splits, 512 // (n * h), ATTN_MAX_SPLITS))
         pos = self._ints(positions)
         starts = cp.zeros(n, cp.int32) if starts is None else self._ints(starts)
         part_o = cp.empty((n, h, splits, hd), cp.float32)
@@ -352,12 +385,22 @@ class CUDABackend(Backend):
 
     # -- CUDA graphs ------------------------------------------------------------------------
 
-    def graph_step(self, owner, step, *vectors) -> np.ndarray:
-        """Run step(*vectors on the device) -> device logits as a CUDA graph: captured on the
-        first call for this owner (a KV cache, whose buffers the graph holds) and shape of
-        inputs (int32 vectors: ids, positions, slots, starts), replayed after."""
+    def graph_step(self, owner, step, *vectors, tag=None):
+        """Run step(*vectors on the device) -> device array(s) as a CUDA graph: captured on
+        the first call for this owner (a KV cache, whose buffers the graph holds), tag (what
+        the step returns) and shape of inputs (int32 vectors: ids, positions, slots, starts),
+        replayed after. Returns the result(s) on the host."""
         shape = (len(vectors), len(vectors[0]))
-        graph = self._graphs.get(id(owner))
+        key = (id(owner), tag)
+        graph = self._graphs.get(key)
         if graph is None or graph.owner() is not owner or graph.shape != shape:
-            graph = self._graphs[id(owner)] = StepGraph(owner, step, *shape)
+            # graphs of caches gone (a server's finished sessions) give back their memory
+            for dead in [k for k, g in self._graphs.items() if g.owner() is None]:
+                del self._graphs[dead]
+
+            def recorded(*inputs):  # kernels overlap their predecessors' tails in the graph
+                with self.k.launch.recording():
+                    return step(*inputs)
+
+            graph = self._graphs[key] = StepGraph(owner, recorded, *shape)
         return graph(*vectors)

@@ -18,7 +18,7 @@ _RELAXED = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", 2)
 
 
 class StepGraph:
-    """step(*int_vectors) -> device array, captured once per owner (a KV cache) for inputs of
+    """step(*int_vectors) -> device array(s), captured once per owner (a KV cache) for inputs of
     a fixed shape: k int32 vectors of n values each (token ids, positions, ...)."""
 
     def __init__(self, owner, step, k: int, n: int):
@@ -26,24 +26,51 @@ class StepGraph:
         self.step, self.shape = step, (k, n)
         self.inputs = cp.zeros((k, n), cp.int32)
         self.host = cp.cuda.alloc_pinned_memory(k * n * 4)  # staging for the async upload
+        self.staged = np.frombuffer(self.host, np.int32, k * n).reshape(k, n)
         self.pool = cp.cuda.MemoryPool()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.graph = None
-        self.out = None
+        self.out = None  # the step's device result(s), and pinned host copies of them
+        self.out_host: list[np.ndarray] = []
 
-    def __call__(self, *vectors) -> np.ndarray:
-        staged = np.frombuffer(self.host, np.int32, self.inputs.size).reshape(self.shape)
-        staged[...] = vectors
+    def __call__(self, *vectors):
+        self.staged[...] = vectors
+        self.inputs.data.copy_from_host_async(self.host.ptr, self.inputs.nbytes, self.stream)
+        if self.graph is None:
+            return self._capture()
+        self.graph.launch(self.stream)
+        outs = self.out if isinstance(self.out, tuple) else (self.out,)
+        for device, host in zip(outs, self.out_host, strict=True):
+            device.data.copy_to_host_async(host.ctypes.data, host.nbytes, self.stream)
+        self.stream.synchronize()
+        results = tuple(self._readable(h) for h in self.out_host)
+        return results if isinstance(self.out, tuple) else results[0]
+
+    def _capture(self):
         inputs = [self.inputs[i] for i in range(self.shape[0])]
         with self.stream, cp.cuda.using_allocator(self.pool.malloc):
-            self.inputs.data.copy_from_host_async(self.host.ptr, self.inputs.nbytes, self.stream)
-            if self.graph is None:
-                # an eager run gives this step's result and fills the pool with every buffer
-                # size the step needs, so the capture below allocates nothing new
-                result = cp.asnumpy(self.step(*inputs), stream=self.stream)
-                self.stream.begin_capture(_RELAXED)
-                self.out = self.step(*inputs)
-                self.graph = self.stream.end_capture()
-                return result.astype(np.float32, copy=False)
-            self.graph.launch(self.stream)
-            return cp.asnumpy(self.out, stream=self.stream).astype(np.float32, copy=False)
+            # an eager run gives this step's result and fills the pool with every buffer
+            # size the step needs, so the capture below allocates nothing new
+            result = self._to_host(self.step(*inputs))
+            self.stream.begin_capture(_RELAXED)
+            self.out = self.step(*inputs)
+            self.graph = self.stream.end_capture()
+        outs = self.out if isinstance(self.out, tuple) else (self.out,)
+        for device in outs:
+            assert device.flags.c_contiguous  # the kernels write whole rows
+            pinned = cp.cuda.alloc_pinned_memory(device.nbytes)
+            host = np.frombuffer(pinned, device.dtype, device.size)
+            self.out_host.append(host.reshape(device.shape))
+        return result
+
+    @staticmethod
+    def _readable(host: np.ndarray) -> np.ndarray:
+        """A copy the caller may keep (the pinned buffer is rewritten by the next replay)."""
+        return host.astype(np.float32) if host.dtype.kind == "f" else host.copy()
+
+    def _to_host(self, out):
+        """The step's device array, or tuple of arrays, on the host (float as float32)."""
+        if isinstance(out, tuple):
+            return tuple(map(self._to_host, out))
+        host = cp.asnumpy(out, stream=self.stream)
+        return host.astype(np.float32, copy=False) if host.dtype.kind == "f" else host

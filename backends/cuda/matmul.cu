@@ -4,6 +4,7 @@
 // weight format (quantize_rows), then multiplied in integers: dp4a for a few tokens
 // (matvec_q, decode), int8 tensor-core mma for many (matmul_mma, prefill and batches).
 #include "formats.cuh"
+#include "launch.cuh"
 
 // ---- activation quantization ----------------------------------------------------------------
 
@@ -36,6 +37,7 @@ extern "C" __global__ void __launch_bounds__(256)
     quantize_rows(const float* __restrict__ x, int x_stride, const float* __restrict__ norm,
                   double eps, const float* __restrict__ up, int up_stride, int K, int mode,
                   signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs) {
+    pdl_start();
     __shared__ double s_sum[8];
     __shared__ float s_red[8];
     __shared__ int s_idx[8];
@@ -120,12 +122,17 @@ extern "C" __global__ void __launch_bounds__(256)
 #ifndef MV_UNROLL
 #define MV_UNROLL 2  // groups in flight per lane and row: loads are issued before any math
 #endif
+#ifndef MV_UNROLL1
+#define MV_UNROLL1 MV_UNROLL  // the same for one token (decode), which has registers to spare
+#endif
 
 template <class F, int NT>
 __global__ void __launch_bounds__(MV_WARPS * 32)
     matvec_q(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
              const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
              int accumulate) {
+    pdl_trigger();
+    constexpr int U = NT == 1 ? MV_UNROLL1 : MV_UNROLL;
     const Planes P = PLANES;
     const int G = K >> 5;
     const int row0 = (blockIdx.x * MV_WARPS + (threadIdx.x >> 5)) * MV_ROWS;
@@ -138,15 +145,15 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[r][j] = 0.f;
 
-    for (int g0 = lane; g0 < G; g0 += 32 * MV_UNROLL) {
-        uint4 wa[MV_ROWS][MV_UNROLL], wb[MV_ROWS][MV_UNROLL];
-        u32 e0[MV_ROWS][MV_UNROLL], e1[MV_ROWS][MV_UNROLL];
-        GroupScale s[MV_ROWS][MV_UNROLL];
+    for (int g0 = lane; g0 < G; g0 += 32 * U) {
+        uint4 wa[MV_ROWS][U], wb[MV_ROWS][U];
+        u32 e0[MV_ROWS][U], e1[MV_ROWS][U];
+        GroupScale s[MV_ROWS][U];
 #pragma unroll
         for (int r = 0; r < MV_ROWS; ++r) {
             const int row = min(row0 + r, N - 1);
 #pragma unroll
-            for (int u = 0; u < MV_UNROLL; ++u) {
+            for (int u = 0; u < U; ++u) {
                 const int g = g0 + 32 * u;
                 if (g < G) {
                     const long long rg = (long long)row * G + g;
@@ -160,8 +167,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
                 }
             }
         }
+        if (g0 == lane) pdl_wait();  // the first weights are on their way: now the activation
 #pragma unroll
-        for (int u = 0; u < MV_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int g = g0 + 32 * u;
             if (g >= G) break;
 #pragma unroll
@@ -197,6 +205,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
             }
         }
     }
+    pdl_wait();  // lanes past the last group have not waited yet
 #pragma unroll
     for (int r = 0; r < MV_ROWS; ++r)
 #pragma unroll
@@ -235,6 +244,7 @@ __global__ void __launch_bounds__(128)
     matmul_mma(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
                const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
                int accumulate) {
+    pdl_start();
     const Planes P = PLANES;
     __shared__ float partial[3][NT8 * 4][32];
     const int G = K >> 5;
@@ -309,6 +319,7 @@ template <class T, int NT>
 __global__ void __launch_bounds__(MV_WARPS * 32)
     matvec_f(const T* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int K,
              int N, int n_tok, int accumulate) {
+    pdl_start();
     const int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     const int tok0 = blockIdx.y * NT;
@@ -342,6 +353,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 
 template <class F>
 __global__ void dequant_f16(PLANE_ARGS, __half* __restrict__ out, int K, long long n_groups) {
+    pdl_start();
     const Planes P = PLANES;
     const long long rg = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (rg >= n_groups) return;
@@ -368,6 +380,7 @@ __global__ void dequant_f16(PLANE_ARGS, __half* __restrict__ out, int K, long lo
 
 template <class F>
 __global__ void embed_q(PLANE_ARGS, const int* __restrict__ ids, float* __restrict__ out, int K) {
+    pdl_start();
     const Planes P = PLANES;
     const long long row = ids[blockIdx.x];
     for (int k = threadIdx.x; k < K; k += blockDim.x)
@@ -377,6 +390,7 @@ __global__ void embed_q(PLANE_ARGS, const int* __restrict__ ids, float* __restri
 template <class T>
 __global__ void embed_f(const T* __restrict__ w, const int* __restrict__ ids,
                         float* __restrict__ out, int K) {
+    pdl_start();
     const long long row = ids[blockIdx.x];
     for (int k = threadIdx.x; k < K; k += blockDim.x)
         out[(long long)blockIdx.x * K + k] = (float)w[row * K + k];

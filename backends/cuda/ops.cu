@@ -1,6 +1,8 @@
 // Element-wise and row operations: RMSNorm, RoPE, SiLU-multiply, KV-cache writes, attention.
 #include <cuda_fp16.h>
 
+#include "launch.cuh"
+
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -26,6 +28,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // y [n, d] = x / rms(x) * w; one block per row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
                                     float* __restrict__ y, int d, double eps) {
+    pdl_start();
     __shared__ double scratch[32];
     const float* xr = x + (long long)blockIdx.x * d;
     double ss = 0.0;  // in double, the scale rounded once: as the CPU backend
@@ -60,6 +63,7 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
                                 const float* __restrict__ powers,
                                 const float* __restrict__ factors, int n, int heads, int hd,
                                 int n_dims, float freq_scale, int neox) {
+    pdl_start();
     const int half = n_dims >> 1;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * heads * half) return;
@@ -75,8 +79,9 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
     v[ib] = a * s + b * c;
 }
 
-// The attention inputs of one token per block, in one pass: biases added (when given), q
-// rotated into q_out [n, h * hd], k rotated and v stored as fp16 at cache row slots[token].
+// The attention inputs, block (token, head) in one pass: biases added (when given), q head
+// rotated into q_out [n, h * hd]; a k head rotated and its v head stored as fp16 at cache row
+// slots[token] (heads h .. h + hk - 1 of the grid).
 // Rows of q and of k, v are q_stride and kv_stride floats apart (views into a fused product).
 extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __restrict__ k,
                                    const float* __restrict__ v, int q_stride, int kv_stride,
@@ -87,13 +92,14 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
                                    const float* __restrict__ powers,
                                    const float* __restrict__ factors, int h, int hk, int hd,
                                    int n_dims, float freq_scale, int neox) {
-    const int tok = blockIdx.x, half = n_dims >> 1, p = pos[tok];
+    pdl_start();
+    const int tok = blockIdx.x, j = blockIdx.y, half = n_dims >> 1, p = pos[tok];
     const long long slot = (long long)slots[tok] * hk * hd;
-    // element e of head j: rotated pairs first, then the dims past n_dims unrotated
+    // element r of head j (q heads, then k heads): rotated pairs first, then the dims past
+    // n_dims unrotated
     const int per_head = half + (hd - n_dims);
-    for (int idx = threadIdx.x; idx < (h + hk) * per_head; idx += blockDim.x) {
-        const int j = idx / per_head, r = idx % per_head;
-        const bool is_q = j < h;
+    const bool is_q = j < h;
+    for (int r = threadIdx.x; r < per_head; r += blockDim.x) {
         const int head = is_q ? j : j - h;
         const float* src = is_q ? q + (long long)tok * q_stride + head * hd
                                 : k + (long long)tok * kv_stride + head * hd;
@@ -126,7 +132,8 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
                 kc[slot + off + e] = __float2half_rn(a);
         }
     }
-    for (int e = threadIdx.x; e < hk * hd; e += blockDim.x)
+    if (is_q) return;
+    for (int e = (j - h) * hd + threadIdx.x; e < (j - h + 1) * hd; e += blockDim.x)
         vc[slot + e] = __float2half_rn(bv ? v[(long long)tok * kv_stride + e] + bv[e]
                                           : v[(long long)tok * kv_stride + e]);
 }
@@ -134,6 +141,7 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
 // silu(gate) * up, element-wise.
 extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u,
                                     float* __restrict__ y, long long n) {
+    pdl_start();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = g[i] / (1.f + (float)exp(-(double)g[i])) * u[i];  // as matmul.cu's silu
 }
@@ -142,6 +150,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __
 extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v,
                                     __half* __restrict__ kc, __half* __restrict__ vc,
                                     const int* __restrict__ slots, int n, int width) {
+    pdl_start();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * width) return;
     const int i = idx / width, e = idx % width;
@@ -157,25 +166,30 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 // last split block to finish merges them (flash-decoding). hd: a multiple of 8, at most 256.
 // The last of a (query, head)'s split blocks to finish merges all splits into out [n, h * hd]
 // and resets the ticket, so the counters are all zero again for the next launch (or replay).
+#define ATTN_MAX_SPLITS 128  // one per thread of the merge (ATTN_THREADS)
+
 __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* tickets,
-                              float* out, int qh, int hd, int splits, int* last) {
+                              float* out, int qh, int hd, int splits, int active, int* last,
+                              float* scratch) {
+    __shared__ float weight[ATTN_MAX_SPLITS];
     __threadfence();  // this block's partial results are visible before its ticket is
     __syncthreads();
-    if (threadIdx.x == 0) *last = atomicAdd(&tickets[qh], 1) == splits - 1;
+    if (threadIdx.x == 0) *last = atomicAdd(&tickets[qh], 1) == active - 1;
     __syncthreads();
     if (!*last) return;
     __threadfence();
+    // every split's (m, l) read at once, then its weight exp(m_s - m) into shared memory
     const long long base = (long long)qh * splits;
-    float m = -1e30f;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, __ldcg(&part_ml[base + s].x));
+    float2 ml = make_float2(-1e30f, 0.f);
+    if (threadIdx.x < active) ml = __ldcg(&part_ml[base + threadIdx.x]);
+    const float m = block_max(ml.x, scratch);
+    const float w = threadIdx.x < active ? expf(ml.x - m) : 0.f;
+    if (threadIdx.x < active) weight[threadIdx.x] = w;
+    const float l = block_sum(ml.y * w, scratch);  // its barriers publish weight[]
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float l = 0.f, o = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const float2 ml = __ldcg(&part_ml[base + s]);
-            const float w = expf(ml.x - m);
-            l += ml.y * w;
-            o += __ldcg(&part_o[(base + s) * hd + d]) * w;
-        }
+        float o = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < active; ++s) o += __ldcg(&part_o[(base + s) * hd + d]) * weight[s];
         out[(long long)qh * hd + d] = o / l;
     }
     if (threadIdx.x == 0) tickets[qh] = 0;
@@ -190,6 +204,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                const int* __restrict__ starts, float* __restrict__ part_o,
                float2* __restrict__ part_ml, int* __restrict__ tickets,
                float* __restrict__ out, int h, int hk, int hd, int splits, float scale) {
+    pdl_start();
     __shared__ float qs[256];
     __shared__ float p[ATTN_TILE];
     __shared__ float scratch[32];
@@ -197,15 +212,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     __shared__ int last;
     const int head = blockIdx.x, split = blockIdx.y, i = blockIdx.z, tid = threadIdx.x;
     const int len = pos[i] + 1;
-    const int share = max((len + splits - 1) / splits, ATTN_TILE);  // idle splits if short
+    // the grid has splits for the whole cache (a graph replays it as the sequence grows);
+    // only the first `active` have positions, the rest leave at once
+    const int share = max((len + splits - 1) / splits, ATTN_TILE);
+    const int active = (len + share - 1) / share;
     const int p0 = split * share, p1 = min(p0 + share, len);
     const long long part = ((long long)i * h + head) * splits + split;
-    if (p0 >= p1) {  // nothing here: weighed by l = 0 in the merge
-        if (tid == 0) part_ml[part] = make_float2(-1e30f, 0.f);
-        for (int d = tid; d < hd; d += ATTN_THREADS) part_o[part * hd + d] = 0.f;
-        merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, &last);
-        return;
-    }
+    if (split >= active) return;
     const int kvh = head / (h / hk), row = hk * hd;  // row: halves per cache row
     kc += (long long)starts[i] * row + kvh * hd;
     vc += (long long)starts[i] * row + kvh * hd;
@@ -213,40 +226,56 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = __half2float(__float2half_rn(qr[d]));
     __syncthreads();
 
-    // V phase layout: thread (dims 8dg..8dg+7, position lane pl)
-    const int groups = hd >> 3, lanes = ATTN_THREADS / groups;
-    const int dg = tid % groups, pl = tid / groups;
+    // thread (position lane pl, dims 8dg..8dg+7): gp lanes (a power of two) per position
+    const int groups = hd >> 3;
+    int gp = 1;
+    while (gp < groups) gp <<= 1;
+    const int lanes = ATTN_THREADS / gp, dg = tid % gp, pl = tid / gp;
+    const bool dims = dg < groups;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float m = -1e30f, l = 0.f;  // running max and sum, the same in every thread
     for (int t0 = p0; t0 < p1; t0 += ATTN_TILE) {
-        const int t1 = min(t0 + ATTN_TILE, p1);
-        float s = -1e30f;
-        if (tid < t1 - t0) {  // one position per thread, K read 16 bytes at a time
-            const uint4* kr = reinterpret_cast<const uint4*>(kc + (long long)(t0 + tid) * row);
-            float a = 0.f;
-            for (int c = 0; c < groups; ++c) {
-                const uint4 raw = kr[c];
+        const int cnt = min(ATTN_TILE, p1 - t0);
+        // q . k of positions pl + lanes * j: every load of the tile is issued before any math
+        float dot[ATTN_TILE / 4];
+#pragma unroll
+        for (int j = 0; j < ATTN_TILE / 4; ++j) {
+            const int pp = pl + lanes * j;
+            dot[j] = 0.f;
+            if (dims && pp < cnt) {
+                const uint4 raw =
+                    reinterpret_cast<const uint4*>(kc + (long long)(t0 + pp) * row)[dg];
                 const __half2* k2 = reinterpret_cast<const __half2*>(&raw);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 kf = __half22float2(k2[j]);
-                    a += qs[8 * c + 2 * j] * kf.x + qs[8 * c + 2 * j + 1] * kf.y;
+                for (int c = 0; c < 4; ++c) {
+                    const float2 kf = __half22float2(k2[c]);
+                    dot[j] += qs[8 * dg + 2 * c] * kf.x + qs[8 * dg + 2 * c + 1] * kf.y;
                 }
             }
-            s = a * scale;
         }
-        const float m_new = fmaxf(m, block_max(s, scratch));
-        const float e = tid < t1 - t0 ? expf(s - m_new) : 0.f;
+#pragma unroll
+        for (int j = 0; j < ATTN_TILE / 4; ++j) {
+            if (j * lanes >= ATTN_TILE) break;
+            for (int o = gp >> 1; o > 0; o >>= 1) dot[j] += __shfl_xor_sync(0xffffffffu, dot[j], o);
+            const int pp = pl + lanes * j;
+            if (dg == 0 && pp < cnt) p[pp] = dot[j] * scale;
+        }
+        __syncthreads();
+        const float s = tid < cnt ? p[tid] : -1e30f;
+        const float m_new = fmaxf(m, block_max(s, scratch));  // its barriers end the reads of p
+        const float e = tid < cnt ? expf(s - m_new) : 0.f;
         if (tid < ATTN_TILE) p[tid] = e;
         const float rescale = expf(m - m_new);
         l = l * rescale + block_sum(e, scratch);  // its barriers also publish p[]
         m = m_new;
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] *= rescale;
-        if (pl < lanes) {
-            for (int pp = t0 + pl; pp < t1; pp += lanes) {
-                const float w = p[pp - t0];
-                const uint4 raw = reinterpret_cast<const uint4*>(vc + (long long)pp * row)[dg];
+        if (dims) {
+#pragma unroll 4
+            for (int pp = pl; pp < cnt; pp += lanes) {
+                const float w = p[pp];
+                const uint4 raw =
+                    reinterpret_cast<const uint4*>(vc + (long long)(t0 + pp) * row)[dg];
                 const __half2* v2 = reinterpret_cast<const __half2*>(&raw);
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -263,10 +292,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     __syncthreads();
     for (int d = tid; d < hd; d += ATTN_THREADS) {
         float v = 0.f;
-        for (int lane = 0; lane < lanes; ++lane) v += acc_part[(lane * groups + (d >> 3)) * 8 + (d & 7)];
+        for (int lane = 0; lane < lanes; ++lane) v += acc_part[(lane * gp + (d >> 3)) * 8 + (d & 7)];
         part_o[part * hd + d] = v;
     }
     if (tid == 0) part_ml[part] = make_float2(m, l);
-    merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, &last);
+    merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, active, &last,
+                  scratch);
 }
 

@@ -148,11 +148,12 @@ class Transformer:
         c = self.config
         return BatchKVCache(self.backend, c.n_layer, n_seq, n_ctx, c.n_head_kv, c.head_dim)
 
-    def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+    def forward(self, ids, cache: KVCache, all_logits: bool = False, top_k: int = 0):
         """Run new tokens through the model, appending them to the cache.
 
         Returns float32 logits on the host: [n, vocab] with all_logits, else [1, vocab] for
-        the last token.
+        the last token; with top_k (and not all_logits), only the last token's k most likely
+        tokens, selected on the backend: (ids int32 [1, k], logits float32 [1, k]).
         """
         ids = np.asarray(ids, np.int32).reshape(-1)
         outputs = []
@@ -162,7 +163,7 @@ class Transformer:
                 chunk = ids[start : start + PREFILL_CHUNK]
                 last = start + PREFILL_CHUNK >= len(ids)
                 if all_logits or last:
-                    outputs.append(self._forward_chunk(chunk, cache, all_logits))
+                    outputs.append(self._forward_chunk(chunk, cache, all_logits, top_k))
                 else:
                     self._forward_chunk(chunk, cache, None)
         except BaseException as e:  # Ctrl-C mid-pass: the cache must not claim unfinished tokens
@@ -173,44 +174,49 @@ class Transformer:
             raise
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
 
-    def forward_batch(self, ids, batch: BatchKVCache) -> np.ndarray:
-        """One new token for each sequence of the batch; returns logits [n_seq, vocab]."""
+    def forward_batch(self, ids, batch: BatchKVCache, top_k: int = 0):
+        """One new token for each sequence of the batch; returns logits [n_seq, vocab], or
+        with top_k each sequence's k most likely tokens (ids [n_seq, k], logits [n_seq, k])."""
         ids = np.asarray(ids, np.int32).reshape(-1)
         seqs = batch.sequences[: len(ids)]
         lengths = [s.length for s in seqs]
         try:
             positions = np.concatenate([s.append([t]) for s, t in zip(seqs, ids, strict=True)])
             starts = np.array([s.base for s in seqs], np.int32)
-            return self._run(ids, positions, starts, batch, True)
+            return self._run(ids, positions, starts, batch, True, top_k)
         except BaseException:
             for s, n in zip(seqs, lengths, strict=True):
                 s.trim(n)
             raise
 
-    def _forward_chunk(self, ids: np.ndarray, cache: KVCache, all_logits: bool | None):
+    def _forward_chunk(self, ids, cache: KVCache, all_logits: bool | None, top_k: int = 0):
         positions = cache.append(ids)  # int32 [n]
         starts = np.full(len(ids), cache.base, np.int32)
-        return self._run(ids, positions, starts, cache, all_logits)
+        return self._run(ids, positions, starts, cache, all_logits, top_k)
 
-    def _run(self, ids, positions, starts, cache, all_logits: bool | None):
-        """Host logits of a pass (None for an inner prefill chunk); starts: each token's
-        sequence's first cache row, so its row is starts + position. A pass of one token per
-        sequence goes through the backend's graph_step where it has one (CUDA graphs)."""
+    def _run(self, ids, positions, starts, cache, all_logits: bool | None, top_k: int = 0):
+        """Host logits of a pass, or top_k's (ids, logits) (None for an inner prefill chunk);
+        starts: each token's sequence's first cache row, so its row is starts + position. A
+        pass of one token per sequence goes through the backend's graph_step where it has one
+        (CUDA graphs)."""
         slots = (starts + positions).astype(np.int32)
         graph_step = getattr(self.backend, "graph_step", None)
         decode = all_logits is not None and (len(ids) == 1 or isinstance(cache, BatchKVCache))
         if graph_step is not None and decode:
 
             def step(*inputs):  # device ids, positions, slots and starts
-                return self._logits(*inputs, cache, all_logits)
+                return self._logits(*inputs, cache, all_logits, top_k)
 
-            return graph_step(cache, step, ids, positions, slots, starts)
-        logits = self._logits(ids, positions, slots, starts, cache, all_logits)
-        return None if logits is None else self.backend.to_host(logits)
+            return graph_step(cache, step, ids, positions, slots, starts, tag=top_k)
+        out = self._logits(ids, positions, slots, starts, cache, all_logits, top_k)
+        if out is None:
+            return None
+        return tuple(map(self.backend.to_host, out)) if top_k else self.backend.to_host(out)
 
-    def _logits(self, ids, positions, slots, starts, cache, all_logits: bool | None):
-        """Logits on the backend ([n, vocab], or [1, vocab] for the last token); None for an
-        inner prefill chunk. The int arrays may be on the host or the backend."""
+    def _logits(self, ids, positions, slots, starts, cache, all_logits, top_k: int = 0):
+        """Logits on the backend ([n, vocab], or [1, vocab] for the last token), or top_k's
+        (ids, logits) of them; None for an inner prefill chunk. The int arrays may be on the
+        host or the backend."""
         b, c = self.backend, self.config
         n = len(ids)
         x = b.embed(self.token_embd, ids)  # [n, d]
@@ -223,7 +229,8 @@ class Transformer:
         if not all_logits:
             x = x[n - 1 :]
         x = b.rms_norm(x, self.output_norm, c.rms_eps)
-        return b.matmul(x, self.output)
+        logits = b.matmul(x, self.output)
+        return b.top_k(logits, top_k) if top_k else logits
 
     def _attention_block(self, x, layer: Layer, kv, positions, slots, starts):
         b, c = self.backend, self.config
