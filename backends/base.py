@@ -130,6 +130,13 @@ class Backend(ABC):
         self.kv_write(k_cache, v_cache, k, v.reshape(n, -1, hd), slots)
         return q
 
+    def layer_stack(self, layers, eps: float, rope: RopeConfig, scale: float):
+        """All transformer blocks (the model's Layer objects) as one callable,
+        stack(x, k_cache, v_cache, positions, slots, starts) -> x with the caches as
+        [n_layer, rows, hk, hd], doing the arithmetic of the steps above; None where this
+        backend has none for these weights (the model then calls the steps block by block)."""
+        return None
+
     # -- token selection ----------------------------------------------------------------------
 
     def top_k(self, logits, k: int) -> tuple:

@@ -1,6 +1,6 @@
 """Per-sequence KV cache: preallocated for n_ctx, and the only code that changes its contents.
 
-Keys and values live on the backend as [n_ctx, n_kv_heads, head_dim] per layer. The cache
+Keys and values live on the backend as [n_layer, n_ctx, n_kv_heads, head_dim]. The cache
 tracks the token ids it holds, so a new chat turn can reuse the longest common prefix.
 """
 
@@ -21,9 +21,9 @@ class KVCache:
         self.n_ctx = n_ctx
         self.base = 0  # first cache row of this sequence
         if shared is None:
-            shape = (n_ctx, n_head_kv, head_dim)
-            self.k = [backend.zeros(shape) for _ in range(n_layer)]  # [n_layer] x [n_ctx, hk, hd]
-            self.v = [backend.zeros(shape) for _ in range(n_layer)]
+            shape = (n_layer, n_ctx, n_head_kv, head_dim)
+            self.k = backend.zeros(shape)  # [n_layer, n_ctx, hk, hd]; k[i]: layer i's
+            self.v = backend.zeros(shape)
         else:  # a sequence of a BatchKVCache: rows [base, base + n_ctx) of its storage
             self.k, self.v, self.base = shared
         self.tokens: list[int] = []  # the ids whose keys and values are stored, in order
@@ -72,9 +72,9 @@ class BatchKVCache:
     def __init__(
         self, backend, n_layer: int, n_seq: int, n_ctx: int, n_head_kv: int, head_dim: int
     ):
-        shape = (n_seq * n_ctx, n_head_kv, head_dim)
-        self.k = [backend.zeros(shape) for _ in range(n_layer)]  # [n_layer] x [n_seq*n_ctx, hk, hd]
-        self.v = [backend.zeros(shape) for _ in range(n_layer)]
+        shape = (n_layer, n_seq * n_ctx, n_head_kv, head_dim)
+        self.k = backend.zeros(shape)  # [n_layer, n_seq * n_ctx, hk, hd]
+        self.v = backend.zeros(shape)
         self.sequences = [
             KVCache(backend, n_layer, n_ctx, n_head_kv, head_dim, (self.k, self.v, s * n_ctx))
             for s in range(n_seq)

@@ -16,7 +16,7 @@ import numpy as np
 
 def main() -> None:
     import fastrun
-    from fastrun.backends.cpu import activations, fused, matmul, ops
+    from fastrun.backends.cpu import activations, fused, matmul, ops, stack
     from fastrun.quant import fast
 
     model = fastrun.load(sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct", n_ctx=256)
@@ -25,7 +25,7 @@ def main() -> None:
     tf.forward(list(range(1, 9)), cache)  # compile everything before the wrappers go in
     tf.forward([1], cache)
     spent: dict[str, float] = collections.defaultdict(float)
-    for module in (activations, fused, matmul, ops, fast):
+    for module in (activations, fused, matmul, ops, stack, fast):
         for name in dir(module):
             fn = getattr(module, name)
             if hasattr(fn, "py_func"):  # a Numba dispatcher: time every call

@@ -30,6 +30,25 @@ def test_cpu_matches_reference_end_to_end(tmp_path, arch, qtype):
     np.testing.assert_allclose(cpu, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_1"), ("qwen2", "Q4_K")])
+def test_compiled_blocks_equal_the_steps_one_by_one(tmp_path, arch, qtype):
+    """The CPU backend's one-call stack of blocks computes exactly what the steps do."""
+    path = write_tiny_model(tmp_path / "m.gguf", arch=arch, qtype=qtype)
+    ids = [5, 17, 200, 3, 99, 42, 7]
+    with GGUFFile(path) as f:
+        model = model_class(f.architecture)(f, get_backend("cpu"))
+        assert model._stack is not None
+        stacked = model.forward(ids, model.new_cache(64), all_logits=True)
+        cache = model.new_cache(64)
+        stacked_decode = [model.forward([i], cache) for i in ids]
+        model._stack = None
+        np.testing.assert_array_equal(
+            model.forward(ids, model.new_cache(64), all_logits=True), stacked
+        )
+        cache = model.new_cache(64)
+        np.testing.assert_array_equal([model.forward([i], cache) for i in ids], stacked_decode)
+
+
 def test_prefix_reuse_and_rollback_give_the_same_logits(tiny_model):
     m = Model(tiny_model, n_ctx=64)
     ids = [5, 17, 200, 3, 99, 42, 7, 8, 9]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastrun.backends.base import Backend, RopeConfig, Weight
-from fastrun.backends.cpu import fused, matmul, ops
+from fastrun.backends.cpu import fused, matmul, ops, stack
 from fastrun.formats.errors import FastrunError
 from fastrun.quant import dequantize
 from fastrun.quant.formats import block_format
@@ -159,6 +159,11 @@ class CPUBackend(Backend):
             config,
             np.ascontiguousarray(factors, np.float32),
         )
+
+    def layer_stack(self, layers, eps, rope, scale):
+        if not stack.supported(layers):
+            return None
+        return stack.CompiledBlocks(layers, eps, rope, scale)
 
     def embed(self, w, ids):
         rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])

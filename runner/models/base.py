@@ -139,6 +139,8 @@ class Transformer:
         tied = keys.OUTPUT not in f.tensors
         self.output = self.token_embd if tied else load(keys.OUTPUT, c.n_vocab, c.n_embd)
         self.attn_scale = 1.0 / float(np.sqrt(c.head_dim))
+        # the blocks below as one backend call where the backend has one (CPU: compiled)
+        self._stack = backend.layer_stack(self.layers, c.rms_eps, c.rope, self.attn_scale)
 
     def new_cache(self, n_ctx: int) -> KVCache:
         c = self.config
@@ -220,10 +222,13 @@ class Transformer:
         b, c = self.backend, self.config
         n = len(ids)
         x = b.embed(self.token_embd, ids)  # [n, d]
-        for i, layer in enumerate(self.layers):
-            kv = (cache.k[i], cache.v[i])
-            x = self._attention_block(x, layer, kv, positions, slots, starts)
-            x = self._ffn_block(x, layer)
+        if self._stack is not None:  # the backend runs every block in one call
+            x = self._stack(x, cache.k, cache.v, positions, slots, starts)
+        else:
+            for i, layer in enumerate(self.layers):
+                kv = (cache.k[i], cache.v[i])
+                x = self._attention_block(x, layer, kv, positions, slots, starts)
+                x = self._ffn_block(x, layer)
         if all_logits is None:  # an inner prefill chunk: only the cache matters
             return None
         if not all_logits:
