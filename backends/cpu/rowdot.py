@@ -6,10 +6,11 @@ prefill). Each block is unpacked once, multiplied with every activation row by
 horizontal sum per row at the end. Numba's own loops cannot reach this (see simd.py).
 
 A block format is a `block` function here that emits, for one block and each token, the
-int32 lanes, the float scale that multiplies them, and a scalar correction (offsets and
-mins). Arrays passed in: row uint8 [row_bytes]; xq int8 [n, n_in]; xd float32 [n, *]
-activation scales; xs float32 [n, *] (Q8_1 scaled sums); isum int32 [n, *] (integer block
-sums for Q8_0, 16-value sums for Q8_K).
+int32 lanes, the float scale that multiplies them, and a correction (Q4_1's min: a float;
+the K-quant mins: four float lanes, reduced once per row as llama.cpp does; none where the
+offset is folded into the integer lanes). Arrays passed in: row uint8 [row_bytes]; xq int8
+[n, n_in]; xd float32 [n, *] activation scales; xs float32 [n, *] (Q8_1 scaled sums); isum
+int32 [n, *] (integer block sums for Q8_0, 16-value sums for Q8_K).
 """
 
 from __future__ import annotations
@@ -66,15 +67,6 @@ def _hsum_f8(builder, v):
     return builder.fadd(builder.fadd(b[0], b[2]), builder.fadd(b[1], b[3]))
 
 
-def _hsum(builder, v, ty=_F32):
-    n = v.type.count
-    items = [builder.extract_element(v, ir.Constant(I32, i)) for i in range(n)]
-    add = builder.fadd if ty == _F32 else builder.add
-    while len(items) > 1:
-        items = [add(items[i], items[i + 1]) for i in range(0, len(items), 2)]
-    return items[0]
-
-
 class _Tok:
     """Pointers into one token's activation arrays."""
 
@@ -89,6 +81,8 @@ class _Tok:
 
 
 def _b32(block_bytes, qs_at, qh_at=-1, offset=0, has_min=False, signed=False):
+    """A 32-value format; its correction term (Q4_1's min) is one float per block."""
+
     def block(builder, row, base, b, toks):
         d = _f16(builder, row, base)
         qs = builder.gep(row, [builder.add(base, _c64(qs_at))])
@@ -111,7 +105,7 @@ def _b32(block_bytes, qs_at, qh_at=-1, offset=0, has_min=False, signed=False):
             out.append((part, scale, extra))
         return out
 
-    return block, 32, block_bytes
+    return block, 32, block_bytes, 1
 
 
 # -- K-quant super-blocks of 256 values (activation Q8_K) ---------------------------------------
@@ -150,6 +144,13 @@ def _add_partials(builder, totals, toks, v, x_at, scales16):
         totals[k] = part if totals[k] is None else builder.add(totals[k], part)
 
 
+def _pair_sums(builder, v):
+    """<2n x i32> -> <n x i32>: lane i = v[2i] + v[2i + 1]."""
+    n = v.type.count
+    even = builder.shuffle_vector(v, v, lanes(range(0, n, 2)))
+    return builder.add(even, builder.shuffle_vector(v, v, lanes(range(1, n, 2))))
+
+
 def _k45(fifth_bit: bool):
     block_bytes, qs_at = (176, 48) if fifth_bit else (144, 16)
 
@@ -175,18 +176,19 @@ def _k45(fifth_bit: bool):
         out = []
         for k, tok in enumerate(toks):
             xd = builder.load(builder.gep(tok.xd, [b]))
-            # min term: dmin * xd * sum_j mn_j * (sum of the 32 activations of sub-block j)
+            # min term, as llama.cpp: four float lanes of -dmin * xd * (mn_j * s_j summed in
+            # pairs of sub-blocks), s_j the sum of sub-block j's 32 activations; reduced once
             sums = _load(builder, tok.isum, builder.mul(b, _c64(16)), vec(I32, 16))
-            pairs = builder.add(
-                builder.shuffle_vector(sums, sums, lanes(range(0, 16, 2))),
-                builder.shuffle_vector(sums, sums, lanes(range(1, 16, 2))),
+            prods = builder.mul(_pair_sums(builder, sums), mins)
+            neg_dmin = builder.fsub(ir.Constant(_F32, 0.0), builder.fmul(xd, dmin))
+            extra = builder.fmul(
+                _splat_val(builder, neg_dmin, _F32, 4),
+                builder.sitofp(_pair_sums(builder, prods), vec(_F32, 4)),
             )
-            msum = builder.sitofp(_hsum(builder, builder.mul(pairs, mins), I32), _F32)
-            extra = builder.fmul(builder.fmul(dmin, xd), builder.fsub(ir.Constant(_F32, 0.0), msum))
             out.append((totals[k], builder.fmul(d, xd), extra))
         return out
 
-    return block, 256, block_bytes
+    return block, 256, block_bytes, 4
 
 
 def _q6k(builder, row, base, b, toks):
@@ -215,15 +217,15 @@ def _q6k(builder, row, base, b, toks):
     out = []
     for k, tok in enumerate(toks):
         xd = builder.load(builder.gep(tok.xd, [b]))
-        scale = builder.fmul(d, xd)
-        # offset: - 32 * sum_g scale_g * (sum of the 16 activations of group g)
+        # offset, in the integer lanes as llama.cpp subtracts it: - 32 * sum_g scale_g * (sum
+        # of the 16 activations of group g)
         sums = _load(builder, tok.isum, builder.mul(b, _c64(16)), vec(I32, 16))
-        corr = builder.sitofp(_hsum(builder, builder.mul(sums, scales), I32), _F32)
-        extra = builder.fmul(scale, builder.fmul(corr, ir.Constant(_F32, -32.0)))
-        out.append((totals[k], scale, extra))
+        offset = builder.shl(_pair_sums(builder, builder.mul(sums, scales)), splat(I32, 8, 5))
+        out.append((builder.sub(totals[k], offset), builder.fmul(d, xd), None))
     return out
 
 
+# name -> (block function, values per block, bytes per block, correction lanes)
 BLOCKS = {
     "Q4_0": _b32(18, 2, offset=8),
     "Q4_1": _b32(20, 4, has_min=True),
@@ -231,7 +233,7 @@ BLOCKS = {
     "Q8_0": _b32(34, 2, signed=True),
     "Q4_K": _k45(False),
     "Q5_K": _k45(True),
-    "Q6_K": (_q6k, 256, 210),
+    "Q6_K": (_q6k, 256, 210, 0),
 }
 
 
@@ -265,7 +267,15 @@ def _counted_loop(builder, start, stop, step, init, body):
     return outs
 
 
-def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
+def _hsum_f4(builder, v):
+    """Sum of 4 float lanes as llama.cpp reduces its K-quant min terms: (0+2) + (1+3)."""
+    a = [builder.extract_element(v, ir.Constant(I32, i)) for i in range(4)]
+    return builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3]))
+
+
+def _make_rowdot(block, values_per_block: int, block_bytes: int, extra_lanes: int, n_tok: int):
+    """extra_lanes: the block's correction term is None (0), a float (1) or <4 x float> (4)."""
+
     @intrinsic
     def rowdot(typingctx, row, xq, xd, xs, isum, t, n_blocks):
         ret = types.float32 if n_tok == 1 else types.UniTuple(types.float32, n_tok)
@@ -296,13 +306,15 @@ def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
                         builder.sitofp(part, _V8F), _splat_val(builder, scale, _F32)
                     )
                     out[at] = builder.fadd(out[at], prod)
-                    out[at + 1] = builder.fadd(out[at + 1], extra)
+                    if extra_lanes:
+                        out[at + 1] = builder.fadd(out[at + 1], extra)
                 return out
 
             # One accumulator per token, blocks in order, FMA: llama.cpp's summation order,
             # which keeps results close to its own (the model is sensitive to rounding).
             sets = 1
-            zero_v, zero = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_F32, 0.0)
+            zero_v = ir.Constant(_V8F, [0.0] * 8)
+            zero = ir.Constant(vec(_F32, 4), [0.0] * 4) if extra_lanes == 4 else _F32(0.0)
             init = [zero_v, zero] * (sets * n_tok)
             main_stop = builder.mul(builder.sdiv(nb_v, _c64(sets)), _c64(sets))
 
@@ -322,7 +334,10 @@ def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
                 for lane in range(1, sets):
                     acc = builder.fadd(acc, carried[2 * (lane * n_tok + k)])
                     extra = builder.fadd(extra, carried[2 * (lane * n_tok + k) + 1])
-                sums.append(builder.fadd(_hsum_f8(builder, acc), extra))
+                if extra_lanes == 4:
+                    extra = _hsum_f4(builder, extra)
+                total = _hsum_f8(builder, acc)
+                sums.append(builder.fadd(total, extra) if extra_lanes else total)
             return sums[0] if n_tok == 1 else context.make_tuple(builder, sig.return_type, sums)
 
         return ret(row, xq, xd, xs, isum, t, n_blocks), codegen
@@ -332,6 +347,5 @@ def _make_rowdot(block, values_per_block: int, block_bytes: int, n_tok: int):
 
 # name -> (values per block, one-token rowdot, four-token rowdot)
 ROWDOT = {
-    name: (size, _make_rowdot(block, size, nbytes, 1), _make_rowdot(block, size, nbytes, 4))
-    for name, (block, size, nbytes) in BLOCKS.items()
+    name: (spec[1], _make_rowdot(*spec, 1), _make_rowdot(*spec, 4)) for name, spec in BLOCKS.items()
 }
