@@ -2,8 +2,9 @@
 
 Numba's auto-vectorizer gives up on the 16- and 32-wide per-block loops of the quantized
 formats, so the block arithmetic is emitted as vector IR directly. On AVX2 hosts the integer
-dot product is `vpmaddubsw` + `vpmaddwd`, as in llama.cpp; elsewhere it is generic vector IR
-that LLVM lowers for any target, with the same lane layout.
+dot product is `vpmaddubsw` + `vpmaddwd`, as in llama.cpp (`vpdpbusd` where AVX-512 VNNI is
+there and no sub-block scales ride along); elsewhere it is generic vector IR that LLVM lowers
+for any target, with the same lane layout.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from numba.core import cgutils
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 # FASTRUN_PORTABLE=1 forces the generic path (tests use it with a separate NUMBA_CACHE_DIR).
-HAS_AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(
-    ","
-) and not os.environ.get("FASTRUN_PORTABLE")
+_FEATURES = set(llvm_binding.get_host_cpu_features().flatten().split(","))
+HAS_AVX2 = "+avx2" in _FEATURES and not os.environ.get("FASTRUN_PORTABLE")
+# AVX-512 VNNI on 256-bit vectors: vpdpbusd does vpmaddubsw + vpmaddwd(1) + add in one
+HAS_VNNI = HAS_AVX2 and {"+avx512vnni", "+avx512vl"} <= _FEATURES
 
 
 def vec(t, n):
@@ -54,6 +56,12 @@ def block_partials(builder, w, x, signed: bool, scales16=None):
             )
             x = builder.call(signf, [x, w])
             w = builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)])
+        if HAS_VNNI and scales16 is None:  # exact: no int16 step, no saturation either way
+            dpbusd = _intrinsic_fn(
+                builder, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8)] * 3
+            )
+            words = [builder.bitcast(v, vec(I32, 8)) for v in (w, x)]
+            return builder.call(dpbusd, [splat(I32, 8, 0), *words])
         maddubs = _intrinsic_fn(
             builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32)] * 2
         )
