@@ -16,6 +16,7 @@ import numpy as np
 from fastrun.backends.cpu import ops
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.fused import norm_qmatmul_many, qmatmul_add, rope_kv, silu_qmatmul_add
+from fastrun.backends.cpu.matmul import FORMATS
 
 drop_stale_cache(
     "stack", ("fused.py", "matmul.py", "ops.py", "activations.py", "rowdot.py", "simd.py")
@@ -83,8 +84,6 @@ def _file_of(raw: np.ndarray) -> np.ndarray:
 def supported(layers) -> bool:
     """All matrices in integer-kernel formats and views of one file, Q/K/V and gate/up each
     sharing one activation format."""
-    from fastrun.backends.cpu.matmul import FORMATS
-
     files = set()
     for layer in layers:
         ws = [getattr(layer, name) for name in MATRICES]
