@@ -144,8 +144,13 @@ class Backend(ABC):
         first on ties: (ids int32 [n, k], values float32 [n, k]) on the backend. A decode step
         returns these instead of whole rows where the sampler needs no more."""
         x = np.asarray(self.to_host(logits), np.float32)
+        if k == 1:  # the first of the largest: the lowest id (argmax stops at a NaN, if any)
+            ids = np.argmax(x, axis=1).astype(np.int32)[:, None]
+            best = np.take_along_axis(x, ids, axis=1)
+            if not np.isnan(best).any():  # no copy of the row on the per-token path
+                return ids, best
         x = np.where(np.isnan(x), -np.inf, x)
-        if k == 1:  # the first of the largest: the lowest id
+        if k == 1:
             ids = np.argmax(x, axis=1).astype(np.int32)[:, None]
             return ids, np.take_along_axis(x, ids, axis=1)
         ids = np.empty((len(x), k), np.int32)

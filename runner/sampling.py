@@ -54,11 +54,16 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     @property
+    def _penalized(self) -> bool:
+        p = self.params
+        return p.repeat_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+    @property
     def candidates(self) -> int:
         """How many of the most likely tokens the sampler needs (Candidates); 0: it needs
         the whole row of logits (penalties, or top-k off or above MAX_CANDIDATES)."""
         p = self.params
-        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        if self._penalized:
             return 0
         if p.temperature <= 0:
             return 1
@@ -71,7 +76,7 @@ class Sampler:
                 return int(logits.ids[0])
             return self._draw(logits.ids, logits.logits.astype(np.float64))
         logits = np.asarray(logits, np.float32).reshape(-1)
-        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        if self._penalized:
             logits = self._penalize(
                 logits.copy(), history[-p.repeat_last_n :] if p.repeat_last_n else []
             )
