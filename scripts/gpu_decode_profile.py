@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128, help="decode steps timed with the host")
     ap.add_argument("--replays", type=int, default=200, help="graph replays timed alone")
     ap.add_argument("--both", action="store_true", help="then again without PDL")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     ap.add_argument("--kernels", type=Path, help="print the table of an ncu CSV and stop")
     args = ap.parse_args()
     if args.kernels:
@@ -80,24 +81,39 @@ def measure(model, backend, args) -> None:
 
     import cupy as cp
 
-    cache = model.new_cache(args.n_prompt + args.steps + 8)
-    model.forward(list(range(1, args.n_prompt + 1)), cache)
-    token = int(model.forward([1], cache, top_k=1)[0][-1, 0])  # eager run + capture
-    length = cache.length
+    n_ctx, prompt = args.n_prompt + args.steps + 8, list(range(1, args.n_prompt + 1))
+    if args.batch == 1:
+        cache = model.new_cache(n_ctx)
+        model.forward(prompt, cache)
+
+        def step(tokens):
+            return model.forward(tokens, cache, top_k=1)[0][-1:, 0]
+    else:
+        cache = model.new_batch_cache(args.batch, n_ctx)
+        for s in range(args.batch):
+            model.forward(prompt, cache.sequence(s))
+
+        def step(tokens):
+            return model.forward_batch(tokens, cache, top_k=1)[0][:, 0]
+
+    tokens = step([1] * args.batch)  # eager run + capture
+    length = args.n_prompt + 1
     cp.cuda.Device().synchronize()
     cp.cuda.nvtx.RangePush("decode")  # ncu --nvtx --nvtx-include decode/ profiles only this
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        token = int(model.forward([token], cache, top_k=1)[0][-1, 0])
+        tokens = step(tokens)
     host_s = time.perf_counter() - t0
     cp.cuda.nvtx.RangePop()
     pdl = backend.k.launch.enabled
     if args.steps:
         per = host_s / args.steps
-        print(f"pdl={pdl}: decode with the host {1 / per:.0f} tok/s ({per * 1e3:.3f} ms/token)")
+        rate = args.batch / per
+        print(f"pdl={pdl}: decode with the host {rate:.0f} tok/s ({per * 1e3:.3f} ms/step)")
     if args.replays:
-        cache.trim(length)
-        graph = backend._graphs[(id(cache), 1)]
+        for c in cache.sequences if args.batch > 1 else [cache]:
+            c.trim(length)
+        graph = next(g for (owner, _), g in backend._graphs.items() if owner == id(cache))
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record(graph.stream)
         for _ in range(args.replays):
@@ -106,7 +122,8 @@ def measure(model, backend, args) -> None:
         stop.synchronize()
         ms = cp.cuda.get_elapsed_time(start, stop) / args.replays
         print(f"pdl={pdl}: graph replay alone {ms:.3f} ms/step")
-    cache.free()
+    if args.batch == 1:
+        cache.free()
 
 
 if __name__ == "__main__":

@@ -28,12 +28,15 @@ MATVEC_TOKENS = (1, 2, 4, 8)  # a matvec kernel per count of tokens in a block
 # matvec tuning, "rows per warp,groups in flight per lane at one token" (MV_ROWS, MV_UNROLL1)
 MATVEC_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC", "2,4").split(","))
 MATVEC_ROWS = 8 * MATVEC_TUNING[0]  # weight rows per matvec block: 8 warps (matmul.cu)
-MATVEC_BATCH = 16  # up to this many tokens: matvec blocks of 8 tokens (a 16-session decode
-# batch of the 7B shape: 1417 tok/s, against 1399 through the tensor-core kernel)
-MMA_TILES = (2, 8)  # int8 tensor-core kernels: 16 or 64 tokens per block
+# up to this many tokens: the dp4a matvec; from one more, the int8 tensor-core kernel
+MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
 DENSE_ROWS = 128  # from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
-ATTN_TILE = 64  # cache positions per attention tile (ATTN_TILE in ops.cu)
+MMA_TILE = (1, 2)  # tensor-core blocks: 16-row tiles, 8-token tiles (more tokens: more blocks)
+ATTN_MIN_SHARE = 64  # the fewest cache positions worth an attention split of their own
 ATTN_MAX_SPLITS = 128  # at most as many splits as the merge's threads (ops.cu)
+# attention splits: enough for about this many blocks (one query; a batch of queries), each
+# split at least a round of loads (7B shape, 16 sequences: 256 blocks 4.96 ms a step, 4096 6.05)
+ATTN_BLOCKS = (512, int(os.environ.get("FASTRUN_ATTN_BLOCKS", "256")))
 SELECT_CHUNK, SELECT_MAX = 4096, 64  # logits per top_k block; the largest k (select.cu)
 _i32 = np.int32
 _NULL = np.uint64(0)  # a null pointer argument
@@ -64,7 +67,7 @@ class _Kernels:
         names = []
         for f in KERNEL_FORMATS.values():
             names += [f"matvec_q<{f}, {t}>" for t in MATVEC_TOKENS]
-            names += [f"matmul_mma<{f}, {t}>" for t in MMA_TILES]
+            names += [f"matmul_mma<{f}, {MMA_TILE[0]}, {MMA_TILE[1]}>"]
             names += [f"embed_q<{f}>", f"dequant_f16<{f}>"]
         for t in ("__half", "float"):
             names += [f"matvec_f<{t}, {n}>" for n in MATVEC_TOKENS] + [f"embed_f<{t}>"]
@@ -144,16 +147,19 @@ class CUDABackend(Backend):
 
     # -- matrix products --------------------------------------------------------------------
 
-    def _quantize(self, x, per_256: bool, norm=None, eps: float = 0.0, up=None):
+    def _quantize(self, x, per_256: bool, norm=None, eps: float = 0.0, up=None, group_major=None):
         """x [n, k] (rows may be strided views) -> (xq int8 [n, k], xd [n, k/32], xs [n, k/32])
-        as formats.cuh expects; first x / rms(x) * norm, or silu(x) * up, when given."""
+        as formats.cuh expects; first x / rms(x) * norm, or silu(x) * up, when given.
+        group_major: the tensor-core kernel's layout (matmul.cu); by default where n takes it."""
         n, k = x.shape
         xq = cp.empty((n, k), cp.int8)
         xd = cp.empty(n * k // 32, cp.float32)
         xs = cp.empty(n * k // 32, cp.float32)
         args = (x, _i32(x.strides[0] // 4), _NULL if norm is None else norm, np.float64(eps))
         args += (_NULL, _i32(0)) if up is None else (up, _i32(up.strides[0] // 4))
-        args += (_i32(k), _i32(per_256), xq, xd, xs)
+        if group_major is None:
+            group_major = MATVEC_BATCH < n < DENSE_ROWS
+        args += (_i32(k), _i32(per_256), _i32(group_major), xq, xd, xs)
         self.k("quantize_rows")(((k + 255) // 256, n), (256,), args)
         return xq, xd, xs
 
@@ -187,9 +193,9 @@ class CUDABackend(Backend):
             rows = MATVEC_ROWS
             grid, block = ((w.n_out + rows - 1) // rows, (n + t - 1) // t), 256
         else:
-            t = MMA_TILES[0] if n <= 8 * MMA_TILES[0] else MMA_TILES[-1]
-            kernel = self.k(f"matmul_mma<{w.kernel_format}, {t}>")
-            grid, block = ((w.n_out + 15) // 16, (n + 8 * t - 1) // (8 * t)), 128
+            m, t = MMA_TILE
+            kernel = self.k(f"matmul_mma<{w.kernel_format}, {m}, {t}>")
+            grid, block = ((w.n_out + 16 * m - 1) // (16 * m), (n + 8 * t - 1) // (8 * t)), 256
         kernel(grid, (block,), (*w.plane_args(), xq, xd, xs, y, *args))
 
     def _rows(self, x):
@@ -368,9 +374,9 @@ class CUDABackend(Backend):
         else:
             longest = int(np.max(positions)) + 1
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
-        # positions (in tiles of ATTN_TILE) and the combine merges them
-        splits = (longest + ATTN_TILE - 1) // ATTN_TILE
-        splits = max(1, min(splits, 512 // (n * h), ATTN_MAX_SPLITS))
+        # positions (in whole rounds of loads, ops.cu) and the combine merges them
+        splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
+        splits = max(1, min(splits, ATTN_BLOCKS[n > 1] // (n * h), ATTN_MAX_SPLITS))
         pos = self._ints(positions)
         starts = cp.zeros(n, cp.int32) if starts is None else self._ints(starts)
         part_o = cp.empty((n, h, splits, hd), cp.float32)

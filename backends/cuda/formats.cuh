@@ -51,6 +51,7 @@ struct GroupScale {
 // A format gives, for group rg (= row * G + g): its raw words, its extra high bits, how quad t
 // decodes from them, and its scales (rs = row * S + g / 8 indexes super-block planes).
 //   qbytes: bytes of plane 0 per group (16 for 4-bit formats, 32 for Q8_0)
+//   plane_bytes(k): bytes per group of plane k >= 1, negative for a per-super-block plane
 //   decode(wa, wb, e0, e1, t): wa = word t of the group's plane-0 bytes, wb = word 4 + t
 
 // ---- 32-weight block formats -------------------------------------------------------------
@@ -59,6 +60,7 @@ struct GroupScale {
 // split: s_lo != s_hi (the tensor-core path then runs the two halves apart)
 struct FmtQ4_0 {  // planes: qs, d
     static constexpr int act_k = 0, qbytes = 16;
+    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : 0; }
     static constexpr bool has_min = false, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
@@ -73,6 +75,7 @@ struct FmtQ4_0 {  // planes: qs, d
 
 struct FmtQ4_1 {  // planes: qs, d, m
     static constexpr int act_k = 0, qbytes = 16;
+    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : k == 2 ? 2 : 0; }
     static constexpr bool has_min = true, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
@@ -87,6 +90,7 @@ struct FmtQ4_1 {  // planes: qs, d, m
 
 struct FmtQ5_0 {  // planes: qs, d, qh
     static constexpr int act_k = 0, qbytes = 16;
+    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : k == 2 ? 4 : 0; }
     static constexpr bool has_min = false, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {
         e0 = reinterpret_cast<const u32*>(P.p[2])[rg];
@@ -102,6 +106,7 @@ struct FmtQ5_0 {  // planes: qs, d, qh
 
 struct FmtQ5_1 {  // planes: qs, d, m, qh
     static constexpr int act_k = 0, qbytes = 16;
+    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : k == 2 ? 2 : k == 3 ? 4 : 0; }
     static constexpr bool has_min = true, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {
         e0 = reinterpret_cast<const u32*>(P.p[3])[rg];
@@ -117,6 +122,7 @@ struct FmtQ5_1 {  // planes: qs, d, m, qh
 
 struct FmtQ8_0 {  // planes: q8, d
     static constexpr int act_k = 0, qbytes = 32;
+    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : 0; }
     static constexpr bool has_min = false, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
@@ -132,6 +138,7 @@ struct FmtQ8_0 {  // planes: q8, d
 
 struct FmtQ4_K {  // planes: qs, sc, mn, D, DM
     static constexpr int act_k = 1, qbytes = 16;
+    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 1 : k == 2 ? 1 : k == 3 ? -2 : k == 4 ? -2 : 0; }
     static constexpr bool has_min = true, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
@@ -145,6 +152,7 @@ struct FmtQ4_K {  // planes: qs, sc, mn, D, DM
 
 struct FmtQ5_K {  // planes: qs, sc, mn, D, DM, qh
     static constexpr int act_k = 1, qbytes = 16;
+    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 1 : k == 2 ? 1 : k == 3 ? -2 : k == 4 ? -2 : k == 5 ? 4 : 0; }
     static constexpr bool has_min = true, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {
         e0 = reinterpret_cast<const u32*>(P.p[5])[rg];
@@ -159,6 +167,7 @@ struct FmtQ5_K {  // planes: qs, sc, mn, D, DM, qh
 
 struct FmtQ6_K {  // planes: qs, sc (i8 [G][2], per 16 weights), D, qh2
     static constexpr int act_k = 1, qbytes = 16;
+    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : k == 2 ? -2 : k == 3 ? 8 : 0; }
     static constexpr bool has_min = false, split = true;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {
         uint2 h = reinterpret_cast<const uint2*>(P.p[3])[rg];

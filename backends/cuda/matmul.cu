@@ -26,7 +26,8 @@ __device__ __forceinline__ int warp_sum_int(int v) {
 }
 
 // xq int8 [n, K], xd float [n, K/32] (the scale; for Q8_K the super-block's, repeated), xs
-// float [n, K/32] (Q8_1's s, or xd * sum(xq) for Q8_K), per group gid = token * G + g.
+// float [n, K/32] (Q8_1's s, or xd * sum(xq) for Q8_K), per group gid = token * G + g, or
+// with group_major (the tensor-core kernel's layout) gid = g * n + token.
 // Block (chunk, row) quantizes 256 values of row x[row] (rows x_stride floats apart), after
 // an optional transform: RMSNorm with weight `norm` (x / rms(x) * norm; each block sums the
 // row's squares itself), or SiLU-multiply with `up` (silu(x) * up).
@@ -36,7 +37,8 @@ __device__ __forceinline__ int warp_sum_int(int v) {
 extern "C" __global__ void __launch_bounds__(256)
     quantize_rows(const float* __restrict__ x, int x_stride, const float* __restrict__ norm,
                   double eps, const float* __restrict__ up, int up_stride, int K, int mode,
-                  signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs) {
+                  int group_major, signed char* __restrict__ xq, float* __restrict__ xd,
+                  float* __restrict__ xs) {
     pdl_start();
     __shared__ double s_sum[8];
     __shared__ float s_red[8];
@@ -58,18 +60,18 @@ extern "C" __global__ void __launch_bounds__(256)
         if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * norm[e];
     }
     if (up && e < K) v = silu(v) * up[row * up_stride + e];
-    const long long at = row * K + e;  // element index; its group is at / 32
+    const long long gid = group_major ? (long long)(e >> 5) * gridDim.y + row : row * (K >> 5) + (e >> 5);
     if (mode == 0) {
         if (blockIdx.x * 256 + warp * 32 >= K) return;  // whole warps past the row's end
         const float amax = warp_max(fabsf(v));
         const float inv = amax != 0.f ? 127.f / amax : 0.f;
         const int q = __float2int_rn(v * inv);
-        xq[at] = (signed char)q;
+        xq[gid * 32 + (e & 31)] = (signed char)q;
         const int sum = warp_sum_int(q);
         if (lane == 0) {
             const float d = amax / 127.f;
-            xd[at >> 5] = __half2float(__float2half_rn(d));
-            xs[at >> 5] = __half2float(__float2half_rn(d * (float)sum));
+            xd[gid] = __half2float(__float2half_rn(d));
+            xs[gid] = __half2float(__float2half_rn(d * (float)sum));
         }
         return;
     }
@@ -104,12 +106,12 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
     const float iscale = s_iscale;
     const int q = min(127, __float2int_rn(__fmul_rn(v, iscale)));
-    xq[at] = (signed char)q;
+    xq[gid * 32 + (e & 31)] = (signed char)q;
     const int sum = warp_sum_int(q);
     if (lane == 0) {
         const float d = iscale != 0.f ? __fdiv_rn(1.f, iscale) : 0.f;
-        xd[at >> 5] = d;
-        xs[at >> 5] = d * (float)sum;
+        xd[gid] = d;
+        xs[gid] = d * (float)sum;
     }
 }
 
@@ -220,7 +222,16 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 }
 
 // ---- many tokens: int8 tensor cores (mma.sync m16n8k32 / m16n8k16) ----------------------
-// A block computes 16 weight rows x (8 * NT8) tokens; its 4 warps split K and add up at the end.
+// A block computes MT * 16 weight rows x NT8 * 8 tokens. Its MMA_WARPS warps split K in chunks
+// (warp w: chunks w, w + MMA_WARPS, ...) of MMA_CHUNK bytes of each row's plane 0. A warp
+// copies a chunk's rows with 16-byte coalesced loads into its own shared-memory tile and
+// reads the mma fragments from there (a lane's own fragment words, read from global memory,
+// would touch eight rows per load); the other planes (scales, high bits) likewise. Activations
+// come group-major here (xq [G][n][32], xd and xs [G][n]), so the eight tokens of a fragment
+// are adjacent. The warps' partial sums meet in shared memory at the end.
+
+#define MMA_WARPS 8
+#define MMA_CHUNK 128  // bytes of a row's plane 0 per chunk: 8 groups of 4-bit weights
 
 __device__ __forceinline__ void mma_k32(int (&c)[4], int a0, int a1, int a2, int a3, int b0,
                                         int b1) {
@@ -239,77 +250,183 @@ __device__ __forceinline__ void mma_k16(int (&c)[4], int a0, int a1, int b0) {
         : "r"(a0), "r"(a1), "r"(b0));
 }
 
-template <class F, int NT8>
-__global__ void __launch_bounds__(128)
+// Bytes of plane k's part of a warp's chunk tile: ROWS rows of U groups (or of the one super-block
+// that U groups lie in), rounded up to 16.
+template <class F, int ROWS, int U>
+__host__ __device__ constexpr int chunk_plane_bytes(int k) {
+    const int b = F::plane_bytes(k);
+    return ((b > 0 ? ROWS * U * b : ROWS * -b) + 15) / 16 * 16;
+}
+
+// Plane k (>= 1) of a chunk: loads into v (each element in a uint2) or stores v into dst.
+template <class F, int ROWS, int U, int k>
+__device__ __forceinline__ void chunk_plane(const Planes& P, int lane, long long row_base, int N,
+                                            int G, int c0, uint2 (&v)[ROWS * U / 32 + 1],
+                                            unsigned char* dst) {
+    constexpr int b = F::plane_bytes(k), ab = b > 0 ? b : -b, per_row = b > 0 ? U : 1;
+    if (b == 0) return;
+#pragma unroll
+    for (int j = 0; j * 32 < ROWS * per_row; ++j) {
+        const int e = j * 32 + lane, r = e / per_row, u = e % per_row;
+        if (e >= ROWS * per_row) break;
+        if (dst) {
+            unsigned char* to = dst + e * ab;
+            if (ab == 1) *to = (unsigned char)v[j].x;
+            if (ab == 2) *reinterpret_cast<unsigned short*>(to) = (unsigned short)v[j].x;
+            if (ab == 4) *reinterpret_cast<u32*>(to) = v[j].x;
+            if (ab == 8) *reinterpret_cast<uint2*>(to) = v[j];
+            continue;
+        }
+        const long long row = min(row_base + r, (long long)N - 1);
+        if (b > 0 && c0 + u >= G) continue;
+        const long long at = b > 0 ? row * G + c0 + u : row * (G >> 3) + (c0 >> 3);
+        const unsigned char* from = reinterpret_cast<const unsigned char*>(P.p[k]) + at * ab;
+        if (ab == 1) v[j].x = *from;
+        if (ab == 2) v[j].x = *reinterpret_cast<const unsigned short*>(from);
+        if (ab == 4) v[j].x = *reinterpret_cast<const u32*>(from);
+        if (ab == 8) v[j] = *reinterpret_cast<const uint2*>(from);
+    }
+}
+
+template <class F, int MT, int NT8>
+__global__ void __launch_bounds__(MMA_WARPS * 32)
     matmul_mma(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
                const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
                int accumulate) {
-    pdl_start();
+    pdl_trigger();
     const Planes P = PLANES;
-    __shared__ float partial[3][NT8 * 4][32];
+    constexpr int ROWS = MT * 16, U = MMA_CHUNK / F::qbytes;  // rows and groups per chunk
+    constexpr int STRIDE = MMA_CHUNK + 16;  // a tile row, padded: fragment reads hit 32 banks
+    constexpr int VECS = ROWS * MMA_CHUNK / 16 / 32;  // 16-byte loads per lane per chunk
+    constexpr int ACC = MT * NT8 * 4;  // accumulators per lane
+    // a warp's tile: plane 0 (rows of STRIDE bytes), then planes 1..5 of the chunk
+    constexpr int O1 = ROWS * STRIDE, O2 = O1 + chunk_plane_bytes<F, ROWS, U>(1),
+                  O3 = O2 + chunk_plane_bytes<F, ROWS, U>(2),
+                  O4 = O3 + chunk_plane_bytes<F, ROWS, U>(3),
+                  O5 = O4 + chunk_plane_bytes<F, ROWS, U>(4),
+                  WARP_BYTES = O5 + chunk_plane_bytes<F, ROWS, U>(5);
+    constexpr int TILE_BYTES = MMA_WARPS * WARP_BYTES, SUM_BYTES = MMA_WARPS * ACC * 32 * 4;
+    __shared__ __align__(16) unsigned char smem[TILE_BYTES > SUM_BYTES ? TILE_BYTES : SUM_BYTES];
     const int G = K >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gq = lane >> 2, t = lane & 3;  // mma fragment coordinates
-    const int row0 = blockIdx.x * 16 + gq, row1 = row0 + 8;
-    const long long r0 = min(row0, N - 1), r1 = min(row1, N - 1);
-    const int tok_base = blockIdx.y * NT8 * 8;
-    float acc[NT8][4];
+    const int row_base = blockIdx.x * ROWS, tok_base = blockIdx.y * NT8 * 8;
+    unsigned char* tile = smem + warp * WARP_BYTES;
+    const Planes L = {{tile, tile + O1, tile + O2, tile + O3, tile + O4, tile + O5}};
+    const unsigned char* plane0 = reinterpret_cast<const unsigned char*>(P.p[0]);
+    float acc[MT][NT8][4];
 #pragma unroll
-    for (int i = 0; i < NT8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < NT8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
 
-    for (int g = warp; g < G; g += 4) {
-        const long long rg0 = r0 * G + g, rg1 = r1 * G + g;
-        int lo0, hi0, lo1, hi1;
-        load_quad<F>(P, rg0, t, lo0, hi0);
-        load_quad<F>(P, rg1, t, lo1, hi1);
-        const GroupScale s0 = F::scale(P, rg0, r0 * (G >> 3) + (g >> 3));
-        const GroupScale s1 = F::scale(P, rg1, r1 * (G >> 3) + (g >> 3));
+    bool waited = false;
+    for (int c0 = warp * U; c0 < G; c0 += MMA_WARPS * U) {
+        // the chunk's planes with coalesced loads: plane 0 as vector j * 32 + lane of
+        // ROWS x MMA_CHUNK bytes, the others as elements; all in flight before any store
+        uint4 vec[VECS];
 #pragma unroll
-        for (int i = 0; i < NT8; ++i) {
-            const int tb = min(tok_base + i * 8 + gq, n_tok - 1);  // B column = token
-            const int* xw = reinterpret_cast<const int*>(xq + ((long long)tb * G + g) * 32);
-            const int b0 = xw[t], b1 = xw[4 + t];
-            int c_lo[4] = {0, 0, 0, 0}, c_hi[4] = {0, 0, 0, 0};
-            if (F::split) {
-                mma_k16(c_lo, lo0, lo1, b0);
-                mma_k16(c_hi, hi0, hi1, b1);
-            } else {
-                mma_k32(c_lo, lo0, lo1, hi0, hi1, b0, b1);
-            }
-            // accumulator element e: row (e < 2 ? row0 : row1), token 2t + (e & 1)
+        for (int j = 0; j < VECS; ++j) {
+            const int idx = j * 32 + lane, r = idx / (MMA_CHUNK / 16), col = idx % (MMA_CHUNK / 16);
+            const long long row = min(row_base + r, N - 1);
+            vec[j] = c0 + col * 16 / F::qbytes < G
+                         ? *reinterpret_cast<const uint4*>(plane0 + (row * G + c0) * F::qbytes + col * 16)
+                         : make_uint4(0, 0, 0, 0);
+        }
+        uint2 pv[5][ROWS * U / 32 + 1];
+        chunk_plane<F, ROWS, U, 1>(P, lane, row_base, N, G, c0, pv[0], nullptr);
+        chunk_plane<F, ROWS, U, 2>(P, lane, row_base, N, G, c0, pv[1], nullptr);
+        chunk_plane<F, ROWS, U, 3>(P, lane, row_base, N, G, c0, pv[2], nullptr);
+        chunk_plane<F, ROWS, U, 4>(P, lane, row_base, N, G, c0, pv[3], nullptr);
+        chunk_plane<F, ROWS, U, 5>(P, lane, row_base, N, G, c0, pv[4], nullptr);
+        __syncwarp();  // the previous chunk's tile is read
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tc = min(tok_base + i * 8 + 2 * t + (e & 1), n_tok - 1);
-                const long long xg = (long long)tc * G + g;
-                const GroupScale& s = e < 2 ? s0 : s1;
-                const float part = F::split ? s.s_lo * (float)c_lo[e] + s.s_hi * (float)c_hi[e]
-                                            : s.s_lo * (float)c_lo[e];
-                acc[i][e] += xd[xg] * part;
-                if (F::has_min) acc[i][e] += s.m * xs[xg];
+        for (int j = 0; j < VECS; ++j) {
+            const int idx = j * 32 + lane, r = idx / (MMA_CHUNK / 16), col = idx % (MMA_CHUNK / 16);
+            *reinterpret_cast<uint4*>(tile + r * STRIDE + col * 16) = vec[j];
+        }
+        chunk_plane<F, ROWS, U, 1>(P, lane, row_base, N, G, c0, pv[0], tile + O1);
+        chunk_plane<F, ROWS, U, 2>(P, lane, row_base, N, G, c0, pv[1], tile + O2);
+        chunk_plane<F, ROWS, U, 3>(P, lane, row_base, N, G, c0, pv[2], tile + O3);
+        chunk_plane<F, ROWS, U, 4>(P, lane, row_base, N, G, c0, pv[3], tile + O4);
+        chunk_plane<F, ROWS, U, 5>(P, lane, row_base, N, G, c0, pv[4], tile + O5);
+        __syncwarp();
+        if (!waited) {  // the first weights are in: now the activations
+            pdl_wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = c0 + u;
+            if (g >= G) break;
+            // fragment rows gq and gq + 8 of each 16-row tile, from the tile
+            int lo[MT][2], hi[MT][2];
+            GroupScale sc[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = mt * 16 + 8 * h + gq;
+                    const u32* w = reinterpret_cast<const u32*>(tile + r * STRIDE + u * F::qbytes);
+                    u32 e0 = 0, e1 = 0;
+                    F::extra(L, r * U + u, e0, e1);
+                    F::decode(w[t], F::qbytes == 32 ? w[4 + t] : 0u, e0, e1, t, lo[mt][h], hi[mt][h]);
+                    sc[mt][h] = F::scale(L, r * U + u, r);
+                }
+#pragma unroll
+            for (int i = 0; i < NT8; ++i) {
+                const int tb = min(tok_base + i * 8 + gq, n_tok - 1);  // B column = token
+                const int* xw = reinterpret_cast<const int*>(xq + ((long long)g * n_tok + tb) * 32);
+                const int b0 = xw[t], b1 = xw[4 + t];
+                // accumulator element e belongs to token 2t + (e & 1) of the 8
+                const long long x0 = (long long)g * n_tok + min(tok_base + i * 8 + 2 * t, n_tok - 1);
+                const long long x1 = (long long)g * n_tok + min(tok_base + i * 8 + 2 * t + 1, n_tok - 1);
+                const float d[2] = {xd[x0], xd[x1]};
+                const float sum[2] = {F::has_min ? xs[x0] : 0.f, F::has_min ? xs[x1] : 0.f};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    int c_lo[4] = {0, 0, 0, 0}, c_hi[4] = {0, 0, 0, 0};
+                    if (F::split) {
+                        mma_k16(c_lo, lo[mt][0], lo[mt][1], b0);
+                        mma_k16(c_hi, hi[mt][0], hi[mt][1], b1);
+                    } else {
+                        mma_k32(c_lo, lo[mt][0], lo[mt][1], hi[mt][0], hi[mt][1], b0, b1);
+                    }
+                    // element e: row gq (e < 2) or gq + 8, token 2t + (e & 1)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const GroupScale& gs = sc[mt][e >> 1];
+                        const float part = F::split
+                                               ? gs.s_lo * (float)c_lo[e] + gs.s_hi * (float)c_hi[e]
+                                               : gs.s_lo * (float)c_lo[e];
+                        acc[mt][i][e] += d[e & 1] * part;
+                        if (F::has_min) acc[mt][i][e] += gs.m * sum[e & 1];
+                    }
+                }
             }
         }
     }
-    if (warp > 0) {
+    if (!waited) pdl_wait();  // warps past the last chunk
+    __syncthreads();  // every tile is read: the space holds the partial sums now
+    float(*partial)[ACC][32] = reinterpret_cast<float(*)[ACC][32]>(smem);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int i = 0; i < NT8; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) partial[warp - 1][i * 4 + e][lane] = acc[i][e];
-    }
+            for (int e = 0; e < 4; ++e) partial[warp][(mt * NT8 + i) * 4 + e][lane] = acc[mt][i][e];
     __syncthreads();
-    if (warp == 0) {
+    for (int idx = threadIdx.x; idx < ACC * 32; idx += MMA_WARPS * 32) {
+        const int a = idx >> 5, ln = idx & 31, e = a & 3, i = (a >> 2) % NT8, mt = (a >> 2) / NT8;
+        float v = 0.f;
 #pragma unroll
-        for (int i = 0; i < NT8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float v = acc[i][e] + partial[0][i * 4 + e][lane] +
-                                partial[1][i * 4 + e][lane] + partial[2][i * 4 + e][lane];
-                const int row = e < 2 ? row0 : row1;
-                const int tok = tok_base + i * 8 + 2 * t + (e & 1);
-                if (row < N && tok < n_tok) {
-                    float* out = y + (long long)tok * N + row;
-                    *out = accumulate ? *out + v : v;
-                }
-            }
+        for (int w = 0; w < MMA_WARPS; ++w) v += partial[w][a][ln];
+        const int row = row_base + mt * 16 + (e >> 1) * 8 + (ln >> 2);
+        const int tok = tok_base + i * 8 + 2 * (ln & 3) + (e & 1);
+        if (row < N && tok < n_tok) {
+            float* out = y + (long long)tok * N + row;
+            *out = accumulate ? *out + v : v;
+        }
     }
 }
 

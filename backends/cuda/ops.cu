@@ -161,8 +161,8 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 
 // ---- attention over the fp16 KV cache: split over the cache length, then combined ---------
 // Block (head, split, query) covers an equal share of the query's positions 0..pos (of the
-// sequence that starts at cache row starts[query]) in tiles of ATTN_TILE, with an online
-// softmax; it writes its unnormalised output o [hd], running max m and sum l, and the
+// sequence that starts at cache row starts[query]) in rounds of ATTN_DEPTH positions per lane
+// group, with an online softmax; it writes its unnormalised output o [hd], running max m and sum l, and the
 // last split block to finish merges them (flash-decoding). hd: a multiple of 8, at most 256.
 // The last of a (query, head)'s split blocks to finish merges all splits into out [n, h * hd]
 // and resets the ticket, so the counters are all zero again for the next launch (or replay).
@@ -195,8 +195,8 @@ __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* t
     if (threadIdx.x == 0) tickets[qh] = 0;
 }
 
-#define ATTN_TILE 64
 #define ATTN_THREADS 128
+#define ATTN_DEPTH 8  // positions in flight per lane group: their K and V rows load together
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
@@ -205,16 +205,25 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                float2* __restrict__ part_ml, int* __restrict__ tickets,
                float* __restrict__ out, int h, int hk, int hd, int splits, float scale) {
     pdl_start();
-    __shared__ float qs[256];
-    __shared__ float p[ATTN_TILE];
+    constexpr int WARPS = ATTN_THREADS / 32;
+    __shared__ float warp_ml[WARPS][2];  // each warp's running max and sum
+    __shared__ float warp_o[WARPS][256];  // and its unnormalised output
     __shared__ float scratch[32];
-    __shared__ float acc_part[ATTN_THREADS * 8];
     __shared__ int last;
-    const int head = blockIdx.x, split = blockIdx.y, i = blockIdx.z, tid = threadIdx.x;
-    const int len = pos[i] + 1;
+    const int head = blockIdx.x, split = blockIdx.y, i = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // gp lanes (a power of two) hold one position's row, 8 dims each: a warp reads 32 / gp
+    // positions per load, and each lane group keeps its own online softmax (a "stream")
+    const int groups = hd >> 3;
+    int gp = 1;
+    while (gp < groups) gp <<= 1;
+    const int per_warp = 32 / gp, dg = lane % gp, sub = lane / gp;
+    const bool dims = dg < groups;
+    const int stride = WARPS * per_warp;  // positions between a stream's consecutive loads
     // the grid has splits for the whole cache (a graph replays it as the sequence grows);
-    // only the first `active` have positions, the rest leave at once
-    const int share = max((len + splits - 1) / splits, ATTN_TILE);
+    // each active one takes whole rounds of loads, the rest leave at once
+    const int len = pos[i] + 1, round = ATTN_DEPTH * stride;
+    const int share = ((len + splits - 1) / splits + round - 1) / round * round;
     const int active = (len + share - 1) / share;
     const int p0 = split * share, p1 = min(p0 + share, len);
     const long long part = ((long long)i * h + head) * splits + split;
@@ -222,80 +231,91 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     const int kvh = head / (h / hk), row = hk * hd;  // row: halves per cache row
     kc += (long long)starts[i] * row + kvh * hd;
     vc += (long long)starts[i] * row + kvh * hd;
-    const float* qr = q + ((long long)i * h + head) * hd;
-    for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = __half2float(__float2half_rn(qr[d]));
-    __syncthreads();
-
-    // thread (position lane pl, dims 8dg..8dg+7): gp lanes (a power of two) per position
-    const int groups = hd >> 3;
-    int gp = 1;
-    while (gp < groups) gp <<= 1;
-    const int lanes = ATTN_THREADS / gp, dg = tid % gp, pl = tid / gp;
-    const bool dims = dg < groups;
+    const float* qr = q + ((long long)i * h + head) * hd + 8 * dg;
+    float qf[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qf[e] = dims ? __half2float(__float2half_rn(qr[e])) : 0.f;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    float m = -1e30f, l = 0.f;  // running max and sum, the same in every thread
-    for (int t0 = p0; t0 < p1; t0 += ATTN_TILE) {
-        const int cnt = min(ATTN_TILE, p1 - t0);
-        // q . k of positions pl + lanes * j: every load of the tile is issued before any math
-        float dot[ATTN_TILE / 4];
+    float m = -1e30f, l = 0.f;
+    for (int base = p0 + warp * per_warp; base < p1; base += round) {
+        uint4 kr[ATTN_DEPTH], vr[ATTN_DEPTH];
 #pragma unroll
-        for (int j = 0; j < ATTN_TILE / 4; ++j) {
-            const int pp = pl + lanes * j;
-            dot[j] = 0.f;
-            if (dims && pp < cnt) {
-                const uint4 raw =
-                    reinterpret_cast<const uint4*>(kc + (long long)(t0 + pp) * row)[dg];
-                const __half2* k2 = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const float2 kf = __half22float2(k2[c]);
-                    dot[j] += qs[8 * dg + 2 * c] * kf.x + qs[8 * dg + 2 * c + 1] * kf.y;
-                }
+        for (int u = 0; u < ATTN_DEPTH; ++u) {
+            const int pp = base + sub + u * stride;
+            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+            if (dims && pp < p1) {
+                kr[u] = reinterpret_cast<const uint4*>(kc + (long long)pp * row)[dg];
+                vr[u] = reinterpret_cast<const uint4*>(vc + (long long)pp * row)[dg];
             }
         }
+        float sc[ATTN_DEPTH];
+        float m_new = m;
 #pragma unroll
-        for (int j = 0; j < ATTN_TILE / 4; ++j) {
-            if (j * lanes >= ATTN_TILE) break;
-            for (int o = gp >> 1; o > 0; o >>= 1) dot[j] += __shfl_xor_sync(0xffffffffu, dot[j], o);
-            const int pp = pl + lanes * j;
-            if (dg == 0 && pp < cnt) p[pp] = dot[j] * scale;
+        for (int u = 0; u < ATTN_DEPTH; ++u) {
+            const __half2* k2 = reinterpret_cast<const __half2*>(&kr[u]);
+            float dot = 0.f;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float2 kf = __half22float2(k2[c]);
+                dot += qf[2 * c] * kf.x + qf[2 * c + 1] * kf.y;
+            }
+            for (int o = gp >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            const bool valid = base + sub + u * stride < p1;
+            sc[u] = valid ? dot * scale : -1e30f;
+            m_new = fmaxf(m_new, sc[u]);
         }
-        __syncthreads();
-        const float s = tid < cnt ? p[tid] : -1e30f;
-        const float m_new = fmaxf(m, block_max(s, scratch));  // its barriers end the reads of p
-        const float e = tid < cnt ? expf(s - m_new) : 0.f;
-        if (tid < ATTN_TILE) p[tid] = e;
         const float rescale = expf(m - m_new);
-        l = l * rescale + block_sum(e, scratch);  // its barriers also publish p[]
-        m = m_new;
+        l *= rescale;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] *= rescale;
-        if (dims) {
-#pragma unroll 4
-            for (int pp = pl; pp < cnt; pp += lanes) {
-                const float w = p[pp];
-                const uint4 raw =
-                    reinterpret_cast<const uint4*>(vc + (long long)(t0 + pp) * row)[dg];
-                const __half2* v2 = reinterpret_cast<const __half2*>(&raw);
+        for (int e = 0; e < 8; ++e) acc[e] *= rescale;
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 vf = __half22float2(v2[j]);
-                    acc[2 * j] += w * vf.x;
-                    acc[2 * j + 1] += w * vf.y;
-                }
+        for (int u = 0; u < ATTN_DEPTH; ++u) {
+            const float w = base + sub + u * stride < p1 ? expf(sc[u] - m_new) : 0.f;
+            l += w;
+            const __half2* v2 = reinterpret_cast<const __half2*>(&vr[u]);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float2 vf = __half22float2(v2[c]);
+                acc[2 * c] += w * vf.x;
+                acc[2 * c + 1] += w * vf.y;
             }
         }
-        __syncthreads();  // p[] is rewritten by the next tile
+        m = m_new;
     }
+    // the warp's streams merged (lanes gp apart hold the same dims), then the block's warps
+    float m_w = m;
+    for (int o = gp; o < 32; o <<= 1) m_w = fmaxf(m_w, __shfl_xor_sync(0xffffffffu, m_w, o));
+    const float w_s = expf(m - m_w);
+    l *= w_s;
+    for (int o = gp; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc_part[tid * 8 + j] = acc[j];
-    __syncthreads();
-    for (int d = tid; d < hd; d += ATTN_THREADS) {
-        float v = 0.f;
-        for (int lane = 0; lane < lanes; ++lane) v += acc_part[(lane * gp + (d >> 3)) * 8 + (d & 7)];
-        part_o[part * hd + d] = v;
+    for (int e = 0; e < 8; ++e) {
+        acc[e] *= w_s;
+        for (int o = gp; o < 32; o <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
     }
-    if (tid == 0) part_ml[part] = make_float2(m, l);
+    if (lane == 0) {
+        warp_ml[warp][0] = m_w;
+        warp_ml[warp][1] = l;
+    }
+    if (sub == 0 && dims)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) warp_o[warp][8 * dg + e] = acc[e];
+    __syncthreads();
+    float big = -1e30f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) big = fmaxf(big, warp_ml[w][0]);
+    for (int d = threadIdx.x; d < hd; d += ATTN_THREADS) {
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) o += warp_o[w][d] * expf(warp_ml[w][0] - big);
+        part_o[part * hd + d] = o;
+    }
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += warp_ml[w][1] * expf(warp_ml[w][0] - big);
+        part_ml[part] = make_float2(big, total);
+    }
     merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, active, &last,
                   scratch);
 }
