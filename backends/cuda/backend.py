@@ -25,8 +25,10 @@ from fastrun.formats.errors import FastrunError
 
 SOURCES = Path(__file__).resolve().parent
 MATVEC_TOKENS = (1, 2, 4, 8)  # a matvec kernel per count of tokens in a block
-# matvec tuning, "rows per warp,groups in flight per lane at one token" (MV_ROWS, MV_UNROLL1)
-MATVEC_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC", "2,4").split(","))
+# matvec tuning, "rows per warp,groups in flight per lane at one token" (MV_ROWS, MV_UNROLL1);
+# one row a warp doubles the blocks of small products (H200 decode steps: SmolLM2 0.631 ms
+# against 0.655 at "2,4", Llama-2-7B 1.90 against 1.98)
+MATVEC_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC", "1,4").split(","))
 MATVEC_ROWS = 8 * MATVEC_TUNING[0]  # weight rows per matvec block: 8 warps (matmul.cu)
 # up to this many tokens: the dp4a matvec; from one more, the int8 tensor-core kernel
 MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
@@ -91,6 +93,12 @@ class _Kernels:
         return kernel
 
 
+def _group_major(n: int) -> bool:
+    """Whether products of n tokens take their activation group-major (the tensor-core
+    kernel's layout, matmul.cu)."""
+    return MATVEC_BATCH < n < DENSE_ROWS
+
+
 def _float_name(qtype: str) -> str:
     return "__half" if qtype == "F16" else "float"
 
@@ -113,6 +121,9 @@ class CUDABackend(Backend):
         # own, so they are zero between launches (one buffer for good: graphs hold its address)
         self._tickets = cp.zeros(1 << 17, cp.int32)
         self._select_tickets = cp.zeros(1 << 10, cp.int32)  # likewise, per row of top_k
+        # the last attention output and its 8-bit quantization (per 32), which the attention
+        # kernel wrote along: the output projection takes it instead of quantizing again
+        self._attn_act: tuple | None = None
 
     # -- data movement ----------------------------------------------------------------------
 
@@ -158,7 +169,7 @@ class CUDABackend(Backend):
         args = (x, _i32(x.strides[0] // 4), _NULL if norm is None else norm, np.float64(eps))
         args += (_NULL, _i32(0)) if up is None else (up, _i32(up.strides[0] // 4))
         if group_major is None:
-            group_major = MATVEC_BATCH < n < DENSE_ROWS
+            group_major = _group_major(n)
         args += (_i32(k), _i32(per_256), _i32(group_major), xq, xd, xs)
         self.k("quantize_rows")(((k + 255) // 256, n), (256,), args)
         return xq, xd, xs
@@ -230,7 +241,11 @@ class CUDABackend(Backend):
             y = self._many(x, [fused], norm, eps, up)[0]
             edges = np.cumsum([0] + [w.n_out for w in ws])
             return [y[:, a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
-        acts: dict[bool, tuple] = {}
+        acts: dict[bool, tuple] = {}  # per_256 -> x quantized for such weights
+        held, self._attn_act = self._attn_act, None
+        if held is not None and norm is None and up is None:
+            if held[0].data.ptr == x.data.ptr and held[0].shape == x.shape:
+                acts[False] = held[1]
         dense = None  # the transformed x in float, for float weights and cuBLAS
         outs = []
         for w in ws:
@@ -386,6 +401,17 @@ class CUDABackend(Backend):
             raise FastrunError(f"attention over {n} x {h} query heads at once is too many")
         args = (q, k_cache, v_cache, pos, starts, part_o, part_ml, self._tickets, out)
         args += (_i32(h), _i32(hk), _i32(hd), _i32(splits), np.float32(scale))
+        # the output also in 8 bits per 32 (groups within a head), for an output projection of
+        # a 32-block format (Q4_0 ... Q8_0); a kernel launch fewer per layer
+        self._attn_act = None
+        if hd % 32 == 0 and n < DENSE_ROWS:
+            groups = n * h * hd // 32
+            xd, xs = cp.empty(groups, cp.float32), cp.empty(groups, cp.float32)
+            act = (cp.empty((n, h * hd), cp.int8), xd, xs)
+            self._attn_act = (out, act)
+            args += (*act, _i32(_group_major(n)))
+        else:
+            args += (_NULL, _NULL, _NULL, _i32(0))
         self.k("attn_split")((h, splits, n), (128,), args)
         return out
 

@@ -5,6 +5,7 @@
 // (matvec_q, decode), int8 tensor-core mma for many (matmul_mma, prefill and batches).
 #include "formats.cuh"
 #include "launch.cuh"
+#include "quantize.cuh"
 
 // ---- activation quantization ----------------------------------------------------------------
 
@@ -12,18 +13,6 @@
 // but the rarest cases, so both backends feed the same values to the 8-bit quantizer.
 __device__ __forceinline__ float silu(float g) { return g / (1.f + (float)exp(-(double)g)); }
 
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ int warp_sum_int(int v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // xq int8 [n, K], xd float [n, K/32] (the scale; for Q8_K the super-block's, repeated), xs
 // float [n, K/32] (Q8_1's s, or xd * sum(xq) for Q8_K), per group gid = token * G + g, or
@@ -31,7 +20,7 @@ __device__ __forceinline__ int warp_sum_int(int v) {
 // Block (chunk, row) quantizes 256 values of row x[row] (rows x_stride floats apart), after
 // an optional transform: RMSNorm with weight `norm` (x / rms(x) * norm; each block sums the
 // row's squares itself), or SiLU-multiply with `up` (silu(x) * up).
-// mode 0: Q8_0/Q8_1 per 32 (x86 SIMD rounding: inverse scale 127 / amax, half to even);
+// mode 0: Q8_0/Q8_1 per 32 (quantize.cuh);
 // mode 1: Q8_K per 256 (d = 1 / iscale, iscale = -127 / signed absmax), as llama.cpp's
 // quantize_row_q8_K_ref, which its x86 and ARM paths call.
 extern "C" __global__ void __launch_bounds__(256)
@@ -60,19 +49,10 @@ extern "C" __global__ void __launch_bounds__(256)
         if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * norm[e];
     }
     if (up && e < K) v = silu(v) * up[row * up_stride + e];
-    const long long gid = group_major ? (long long)(e >> 5) * gridDim.y + row : row * (K >> 5) + (e >> 5);
+    const long long gid = act_group(row, e, gridDim.y, K, group_major);
     if (mode == 0) {
         if (blockIdx.x * 256 + warp * 32 >= K) return;  // whole warps past the row's end
-        const float amax = warp_max(fabsf(v));
-        const float inv = amax != 0.f ? 127.f / amax : 0.f;
-        const int q = __float2int_rn(v * inv);
-        xq[gid * 32 + (e & 31)] = (signed char)q;
-        const int sum = warp_sum_int(q);
-        if (lane == 0) {
-            const float d = amax / 127.f;
-            xd[gid] = __half2float(__float2half_rn(d));
-            xs[gid] = __half2float(__float2half_rn(d * (float)sum));
-        }
+        quantize_q8_32(v, gid, xq, xd, xs);
         return;
     }
     // largest magnitude, first index on ties
@@ -264,27 +244,28 @@ __device__ __forceinline__ void chunk_plane(const Planes& P, int lane, long long
                                             int G, int c0, uint2 (&v)[ROWS * U / 32 + 1],
                                             unsigned char* dst) {
     constexpr int b = F::plane_bytes(k), ab = b > 0 ? b : -b, per_row = b > 0 ? U : 1;
-    if (b == 0) return;
+    if constexpr (b != 0) {
 #pragma unroll
-    for (int j = 0; j * 32 < ROWS * per_row; ++j) {
-        const int e = j * 32 + lane, r = e / per_row, u = e % per_row;
-        if (e >= ROWS * per_row) break;
-        if (dst) {
-            unsigned char* to = dst + e * ab;
-            if (ab == 1) *to = (unsigned char)v[j].x;
-            if (ab == 2) *reinterpret_cast<unsigned short*>(to) = (unsigned short)v[j].x;
-            if (ab == 4) *reinterpret_cast<u32*>(to) = v[j].x;
-            if (ab == 8) *reinterpret_cast<uint2*>(to) = v[j];
-            continue;
+        for (int j = 0; j * 32 < ROWS * per_row; ++j) {
+            const int e = j * 32 + lane, r = e / per_row, u = e % per_row;
+            if (e >= ROWS * per_row) break;
+            if (dst) {
+                unsigned char* to = dst + e * ab;
+                if (ab == 1) *to = (unsigned char)v[j].x;
+                if (ab == 2) *reinterpret_cast<unsigned short*>(to) = (unsigned short)v[j].x;
+                if (ab == 4) *reinterpret_cast<u32*>(to) = v[j].x;
+                if (ab == 8) *reinterpret_cast<uint2*>(to) = v[j];
+                continue;
+            }
+            const long long row = min(row_base + r, (long long)N - 1);
+            if (b > 0 && c0 + u >= G) continue;
+            const long long at = b > 0 ? row * G + c0 + u : row * (G >> 3) + (c0 >> 3);
+            const unsigned char* from = reinterpret_cast<const unsigned char*>(P.p[k]) + at * ab;
+            if (ab == 1) v[j].x = *from;
+            if (ab == 2) v[j].x = *reinterpret_cast<const unsigned short*>(from);
+            if (ab == 4) v[j].x = *reinterpret_cast<const u32*>(from);
+            if (ab == 8) v[j] = *reinterpret_cast<const uint2*>(from);
         }
-        const long long row = min(row_base + r, (long long)N - 1);
-        if (b > 0 && c0 + u >= G) continue;
-        const long long at = b > 0 ? row * G + c0 + u : row * (G >> 3) + (c0 >> 3);
-        const unsigned char* from = reinterpret_cast<const unsigned char*>(P.p[k]) + at * ab;
-        if (ab == 1) v[j].x = *from;
-        if (ab == 2) v[j].x = *reinterpret_cast<const unsigned short*>(from);
-        if (ab == 4) v[j].x = *reinterpret_cast<const u32*>(from);
-        if (ab == 8) v[j] = *reinterpret_cast<const uint2*>(from);
     }
 }
 

@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 
 #include "launch.cuh"
+#include "quantize.cuh"
 
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -165,12 +166,15 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 // group, with an online softmax; it writes its unnormalised output o [hd], running max m and sum l, and the
 // last split block to finish merges them (flash-decoding). hd: a multiple of 8, at most 256.
 // The last of a (query, head)'s split blocks to finish merges all splits into out [n, h * hd]
-// and resets the ticket, so the counters are all zero again for the next launch (or replay).
+// (and, given xq, its Q8_0/Q8_1 quantization for the output projection, as quantize_rows
+// would write it) and resets the ticket, so the counters are all zero again for the next
+// launch (or replay).
 #define ATTN_MAX_SPLITS 128  // one per thread of the merge (ATTN_THREADS)
 
 __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* tickets,
                               float* out, int qh, int hd, int splits, int active, int* last,
-                              float* scratch) {
+                              float* scratch, int h, signed char* xq, float* xd, float* xs,
+                              int group_major) {
     __shared__ float weight[ATTN_MAX_SPLITS];
     __threadfence();  // this block's partial results are visible before its ticket is
     __syncthreads();
@@ -190,7 +194,11 @@ __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* t
         float o = 0.f;
 #pragma unroll 8
         for (int s = 0; s < active; ++s) o += __ldcg(&part_o[(base + s) * hd + d]) * weight[s];
-        out[(long long)qh * hd + d] = o / l;
+        const float v = o / l;
+        out[(long long)qh * hd + d] = v;
+        if (xq)  // whole warps (hd: a multiple of 32), each a group of 32 of the query's row
+            quantize_q8_32(v, act_group(qh / h, (qh % h) * hd + d, gridDim.z, h * hd, group_major),
+                           xq, xd, xs);
     }
     if (threadIdx.x == 0) tickets[qh] = 0;
 }
@@ -203,7 +211,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                const __half* __restrict__ vc, const int* __restrict__ pos,
                const int* __restrict__ starts, float* __restrict__ part_o,
                float2* __restrict__ part_ml, int* __restrict__ tickets,
-               float* __restrict__ out, int h, int hk, int hd, int splits, float scale) {
+               float* __restrict__ out, int h, int hk, int hd, int splits, float scale,
+               signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
+               int group_major) {
     pdl_start();
     constexpr int WARPS = ATTN_THREADS / 32;
     __shared__ float warp_ml[WARPS][2];  // each warp's running max and sum
@@ -317,6 +327,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
         part_ml[part] = make_float2(big, total);
     }
     merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, active, &last,
-                  scratch);
+                  scratch, h, xq, xd, xs, group_major);
 }
 
