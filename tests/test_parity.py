@@ -44,8 +44,20 @@ def dev(backend, x):
 @pytest.mark.parametrize("qtype", WEIGHT_TYPES)
 @pytest.mark.parametrize("n", [1, 3, 16, 17])
 def test_matmul(backend, qtype, n):
-    rng = np.random.default_rng(seed_of(qtype, n))
-    n_out, n_in = 48, 512
+    check_matmul(backend, qtype, n, 48, 512, np.random.default_rng(seed_of(qtype, n)))
+
+
+@pytest.mark.parametrize(
+    "qtype, n_in", [("Q4_0", 288), ("Q8_0", 288), ("Q4_0", 3328), ("Q4_K", 3328), ("Q6_K", 3328)]
+)
+def test_matmul_row_lengths(backend, qtype, n_in):
+    """Rows of a part of a 256-weight chunk (CUDA: not the tensor-core kernel) and of many
+    chunks (more than its copy ring holds per warp), at a decode batch's 16 tokens."""
+    check_matmul(backend, qtype, 16, 40, n_in, np.random.default_rng(seed_of(qtype, n_in)))
+
+
+def check_matmul(backend, qtype, n, n_out, n_in, rng):
+    """backend.matmul of n random rows with a random weight against the NumPy reference."""
     raw = random_blocks(qtype, n_out, n_in, rng)
     x = rng.standard_normal((n, n_in)).astype(np.float32)
     expect = ref.matmul(x, ref.load_weight(raw, qtype, n_out, n_in))

@@ -17,7 +17,7 @@ import cupy as cp
 import numpy as np
 
 from fastrun.backends.base import Backend, RopeConfig, Weight
-from fastrun.backends.cuda.graphs import StepGraph
+from fastrun.backends.cuda.graphs import StepGraph, host_result
 from fastrun.backends.cuda.launch import Launcher
 from fastrun.backends.cuda.weights import FLOAT_FORMATS, KERNEL_FORMATS, repack
 from fastrun.backends.reference import rope_angles
@@ -33,7 +33,14 @@ MATVEC_ROWS = 8 * MATVEC_TUNING[0]  # weight rows per matvec block: 8 warps (mat
 # up to this many tokens: the dp4a matvec; from one more, the int8 tensor-core kernel
 MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
 DENSE_ROWS = 128  # from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
-MMA_TILE = (1, 2)  # tensor-core blocks: 16-row tiles, 8-token tiles (more tokens: more blocks)
+# warps an SM must hold of the tensor-core kernel (caps its registers at 80); its warps copy
+# one chunk at a time (MMA_STAGES, matmul.cu). H200, 7B shape, 16 sequences: 3.98 ms a step;
+# 4-warp blocks with 2 or 3 chunks in flight measured 4.32 and 4.19 ms, warps splitting rows
+# around one shared activation tile (K split across blocks) 4.93
+MMA_SM_WARPS = 24
+MMA_WARPS = (8, 12)  # warps of a block (they split K): more where the blocks are few
+MMA_TOKENS = 16  # tokens per tensor-core block
+MMA_ROW_GROUPS = 8  # the tensor-core kernel takes rows of whole 8-group chunks (matmul.cu)
 ATTN_MIN_SHARE = 64  # the fewest cache positions worth an attention split of their own
 ATTN_MAX_SPLITS = 128  # at most as many splits as the merge's threads (ops.cu)
 # attention splits: enough for about this many blocks (one query; a batch of queries), each
@@ -66,10 +73,11 @@ class _Kernels:
     def __init__(self):
         rows, unroll = MATVEC_TUNING
         options = ("-std=c++17", f"-I{SOURCES}", f"-DMV_ROWS={rows}", f"-DMV_UNROLL1={unroll}")
+        options += (f"-DMMA_SM_WARPS={MMA_SM_WARPS}",)
         names = []
         for f in KERNEL_FORMATS.values():
             names += [f"matvec_q<{f}, {t}>" for t in MATVEC_TOKENS]
-            names += [f"matmul_mma<{f}, {MMA_TILE[0]}, {MMA_TILE[1]}>"]
+            names += [f"matmul_mma<{f}, {w}>" for w in MMA_WARPS]
             names += [f"embed_q<{f}>", f"dequant_f16<{f}>"]
         for t in ("__half", "float"):
             names += [f"matvec_f<{t}, {n}>" for n in MATVEC_TOKENS] + [f"embed_f<{t}>"]
@@ -93,10 +101,19 @@ class _Kernels:
         return kernel
 
 
-def _group_major(n: int) -> bool:
-    """Whether products of n tokens take their activation group-major (the tensor-core
-    kernel's layout, matmul.cu)."""
-    return MATVEC_BATCH < n < DENSE_ROWS
+def _tensor_cores(n: int, n_in: int) -> bool:
+    """Whether products of n tokens with rows of n_in weights take the tensor-core kernel,
+    whose activations are group-major (matmul.cu); else the matvec or cuBLAS."""
+    return MATVEC_BATCH < n < DENSE_ROWS and n_in % (32 * MMA_ROW_GROUPS) == 0
+
+
+def _activation(n: int, k: int, group_major: bool) -> tuple:
+    """Room for n rows of k values quantized to 8 bits: (xq, xd, xs) as quantize.cuh lays them
+    out; group-major rounds n up to whole fragments of 8 tokens."""
+    if group_major:
+        n = (n + 7) // 8 * 8
+    groups = n * k // 32
+    return cp.empty((n, k), cp.int8), cp.empty(groups, cp.float32), cp.empty(groups, cp.float32)
 
 
 def _float_name(qtype: str) -> str:
@@ -121,6 +138,7 @@ class CUDABackend(Backend):
         # own, so they are zero between launches (one buffer for good: graphs hold its address)
         self._tickets = cp.zeros(1 << 17, cp.int32)
         self._select_tickets = cp.zeros(1 << 10, cp.int32)  # likewise, per row of top_k
+        self._sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         # the last attention output and its 8-bit quantization (per 32), which the attention
         # kernel wrote along: the output projection takes it instead of quantizing again
         self._attn_act: tuple | None = None
@@ -146,8 +164,7 @@ class CUDABackend(Backend):
         return cp.zeros(shape, cp.float16)  # the KV cache holds fp16, as llama.cpp's
 
     def to_host(self, x):
-        x = cp.asnumpy(x)
-        return x.astype(np.float32, copy=False) if x.dtype.kind == "f" else x
+        return host_result(cp.asnumpy(x))
 
     @staticmethod
     def _ints(a):
@@ -161,15 +178,14 @@ class CUDABackend(Backend):
     def _quantize(self, x, per_256: bool, norm=None, eps: float = 0.0, up=None, group_major=None):
         """x [n, k] (rows may be strided views) -> (xq int8 [n, k], xd [n, k/32], xs [n, k/32])
         as formats.cuh expects; first x / rms(x) * norm, or silu(x) * up, when given.
-        group_major: the tensor-core kernel's layout (matmul.cu); by default where n takes it."""
+        group_major: the tensor-core kernel's layout (matmul.cu); by default where the
+        product of x takes that kernel."""
         n, k = x.shape
-        xq = cp.empty((n, k), cp.int8)
-        xd = cp.empty(n * k // 32, cp.float32)
-        xs = cp.empty(n * k // 32, cp.float32)
+        if group_major is None:
+            group_major = _tensor_cores(n, k)
+        xq, xd, xs = _activation(n, k, group_major)
         args = (x, _i32(x.strides[0] // 4), _NULL if norm is None else norm, np.float64(eps))
         args += (_NULL, _i32(0)) if up is None else (up, _i32(up.strides[0] // 4))
-        if group_major is None:
-            group_major = _group_major(n)
         args += (_i32(k), _i32(per_256), _i32(group_major), xq, xd, xs)
         self.k("quantize_rows")(((k + 255) // 256, n), (256,), args)
         return xq, xd, xs
@@ -198,16 +214,25 @@ class CUDABackend(Backend):
             kernel(grid, (256,), (w.planes[0], x, y, *args))
             return
         xq, xd, xs = act
-        if n <= MATVEC_BATCH:
+        if not _tensor_cores(n, w.n_in):
             t = next((t for t in MATVEC_TOKENS if t >= n), MATVEC_TOKENS[-1])
             kernel = self.k(f"matvec_q<{w.kernel_format}, {t}>")
             rows = MATVEC_ROWS
             grid, block = ((w.n_out + rows - 1) // rows, (n + t - 1) // t), 256
         else:
-            m, t = MMA_TILE
-            kernel = self.k(f"matmul_mma<{w.kernel_format}, {m}, {t}>")
-            grid, block = ((w.n_out + 16 * m - 1) // (16 * m), (n + 8 * t - 1) // (8 * t)), 256
+            grid = ((w.n_out + 15) // 16, (n + MMA_TOKENS - 1) // MMA_TOKENS)
+            warps = self._mma_warps(grid[0] * grid[1], w.n_in // (32 * MMA_ROW_GROUPS))
+            kernel = self.k(f"matmul_mma<{w.kernel_format}, {warps}>")
+            block = 32 * warps
         kernel(grid, (block,), (*w.plane_args(), xq, xd, xs, y, *args))
+
+    def _mma_warps(self, blocks: int, chunks: int) -> int:
+        """Warps per tensor-core block: the wider kind where every block of them is resident
+        at once and each warp still gets a chunk; its warps then walk fewer chunks each (the
+        7B shape's 4096-row products; its batch-16 step 4.09 -> 3.98 ms on the H200)."""
+        narrow, wide = MMA_WARPS
+        fits = blocks <= self._sms * (MMA_SM_WARPS // wide)
+        return wide if fits and chunks >= wide else narrow
 
     def _rows(self, x):
         x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -405,11 +430,10 @@ class CUDABackend(Backend):
         # a 32-block format (Q4_0 ... Q8_0); a kernel launch fewer per layer
         self._attn_act = None
         if hd % 32 == 0 and n < DENSE_ROWS:
-            groups = n * h * hd // 32
-            xd, xs = cp.empty(groups, cp.float32), cp.empty(groups, cp.float32)
-            act = (cp.empty((n, h * hd), cp.int8), xd, xs)
+            group_major = _tensor_cores(n, h * hd)
+            act = _activation(n, h * hd, group_major)
             self._attn_act = (out, act)
-            args += (*act, _i32(_group_major(n)))
+            args += (*act, _i32(group_major))
         else:
             args += (_NULL, _NULL, _NULL, _i32(0))
         self.k("attn_split")((h, splits, n), (128,), args)

@@ -44,6 +44,12 @@ __device__ __forceinline__ u32 spread_pairs(u32 b) {
     return ((b & 0x03u) << 4) | ((b & 0x0Cu) << 10) | ((b & 0x30u) << 16) | ((b & 0xC0u) << 22);
 }
 
+// q - bias in each byte (as int8), for bytes q <= 127 + bias: offset by 128 - bias, which
+// carries out of no byte, then the top bits flipped (vsub4 takes several instructions).
+__device__ __forceinline__ int minus_bytes(u32 q, u32 bias) {
+    return (int)((q + (0x80u - bias) * 0x01010101u) ^ 0x80808080u);
+}
+
 struct GroupScale {
     float s_lo, s_hi, m;
 };
@@ -64,8 +70,8 @@ struct FmtQ4_0 {  // planes: qs, d
     static constexpr bool has_min = false, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
-        lo = __vsub4(wa & 0x0F0F0F0Fu, 0x08080808u);
-        hi = __vsub4((wa >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+        lo = minus_bytes(wa & 0x0F0F0F0Fu, 8);
+        hi = minus_bytes((wa >> 4) & 0x0F0F0F0Fu, 8);
     }
     __device__ static GroupScale scale(const Planes& P, long long rg, long long rs) {
         float d = h2f(P.p[1], rg);
@@ -96,8 +102,8 @@ struct FmtQ5_0 {  // planes: qs, d, qh
         e0 = reinterpret_cast<const u32*>(P.p[2])[rg];
     }
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
-        lo = __vsub4((wa & 0x0F0F0F0Fu) | spread_bits(e0 >> (4 * t)), 0x10101010u);
-        hi = __vsub4(((wa >> 4) & 0x0F0F0F0Fu) | spread_bits(e0 >> (16 + 4 * t)), 0x10101010u);
+        lo = minus_bytes((wa & 0x0F0F0F0Fu) | spread_bits(e0 >> (4 * t)), 16);
+        hi = minus_bytes(((wa >> 4) & 0x0F0F0F0Fu) | spread_bits(e0 >> (16 + 4 * t)), 16);
     }
     __device__ static GroupScale scale(const Planes& P, long long rg, long long rs) {
         return FmtQ4_0::scale(P, rg, rs);
@@ -175,8 +181,8 @@ struct FmtQ6_K {  // planes: qs, sc (i8 [G][2], per 16 weights), D, qh2
         e1 = h.y;
     }
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
-        lo = __vsub4((wa & 0x0F0F0F0Fu) | spread_pairs(e0 >> (8 * t)), 0x20202020u);
-        hi = __vsub4(((wa >> 4) & 0x0F0F0F0Fu) | spread_pairs(e1 >> (8 * t)), 0x20202020u);
+        lo = minus_bytes((wa & 0x0F0F0F0Fu) | spread_pairs(e0 >> (8 * t)), 32);
+        hi = minus_bytes(((wa >> 4) & 0x0F0F0F0Fu) | spread_pairs(e1 >> (8 * t)), 32);
     }
     __device__ static GroupScale scale(const Planes& P, long long rg, long long rs) {
         const signed char* sc = reinterpret_cast<const signed char*>(P.p[1]) + rg * 2;

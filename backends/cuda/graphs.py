@@ -17,6 +17,14 @@ import numpy as np
 _RELAXED = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", 2)
 
 
+def host_result(a: np.ndarray, copy: bool = False) -> np.ndarray:
+    """A device result once on the host, as the backend hands results out: floating point as
+    float32; copy: never a view of a (whose buffer is rewritten)."""
+    if a.dtype.kind == "f":
+        return a.astype(np.float32, copy=copy)
+    return a.copy() if copy else a
+
+
 class StepGraph:
     """step(*int_vectors) -> device array(s), captured once per owner (a KV cache) for inputs of
     a fixed shape: k int32 vectors of n values each (token ids, positions, ...)."""
@@ -30,7 +38,8 @@ class StepGraph:
         self.pool = cp.cuda.MemoryPool()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.graph = None
-        self.out = None  # the step's device result(s), and pinned host copies of them
+        self.many = False  # whether the step returns a tuple of arrays
+        self.outs: tuple = ()  # the step's device result(s), and pinned host copies of them
         self.out_host: list[np.ndarray] = []
 
     def __call__(self, *vectors):
@@ -39,38 +48,30 @@ class StepGraph:
         if self.graph is None:
             return self._capture()
         self.graph.launch(self.stream)
-        outs = self.out if isinstance(self.out, tuple) else (self.out,)
-        for device, host in zip(outs, self.out_host, strict=True):
+        for device, host in zip(self.outs, self.out_host, strict=True):
             device.data.copy_to_host_async(host.ctypes.data, host.nbytes, self.stream)
         self.stream.synchronize()
-        results = tuple(self._readable(h) for h in self.out_host)
-        return results if isinstance(self.out, tuple) else results[0]
+        return self._result([host_result(h, copy=True) for h in self.out_host])
+
+    def _result(self, arrays: list):
+        return tuple(arrays) if self.many else arrays[0]
 
     def _capture(self):
         inputs = [self.inputs[i] for i in range(self.shape[0])]
         with self.stream, cp.cuda.using_allocator(self.pool.malloc):
             # an eager run gives this step's result and fills the pool with every buffer
             # size the step needs, so the capture below allocates nothing new
-            result = self._to_host(self.step(*inputs))
+            eager = self.step(*inputs)
+            self.many = isinstance(eager, tuple)
+            eager = eager if self.many else (eager,)
+            result = self._result([host_result(cp.asnumpy(a, stream=self.stream)) for a in eager])
             self.stream.begin_capture(_RELAXED)
-            self.out = self.step(*inputs)
+            out = self.step(*inputs)
             self.graph = self.stream.end_capture()
-        outs = self.out if isinstance(self.out, tuple) else (self.out,)
-        for device in outs:
+        self.outs = out if self.many else (out,)
+        for device in self.outs:
             assert device.flags.c_contiguous  # the kernels write whole rows
             pinned = cp.cuda.alloc_pinned_memory(device.nbytes)
             host = np.frombuffer(pinned, device.dtype, device.size)
             self.out_host.append(host.reshape(device.shape))
         return result
-
-    @staticmethod
-    def _readable(host: np.ndarray) -> np.ndarray:
-        """A copy the caller may keep (the pinned buffer is rewritten by the next replay)."""
-        return host.astype(np.float32) if host.dtype.kind == "f" else host.copy()
-
-    def _to_host(self, out):
-        """The step's device array, or tuple of arrays, on the host (float as float32)."""
-        if isinstance(out, tuple):
-            return tuple(map(self._to_host, out))
-        host = cp.asnumpy(out, stream=self.stream)
-        return host.astype(np.float32, copy=False) if host.dtype.kind == "f" else host

@@ -16,7 +16,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + (float)exp(-(
 
 // xq int8 [n, K], xd float [n, K/32] (the scale; for Q8_K the super-block's, repeated), xs
 // float [n, K/32] (Q8_1's s, or xd * sum(xq) for Q8_K), per group gid = token * G + g, or
-// with group_major (the tensor-core kernel's layout) gid = g * n + token.
+// with group_major (the tensor-core kernel's layout, quantize.cuh) [n8, K] and gid = g * n8 +
+// token, n8 = n rounded up to a multiple of 8.
 // Block (chunk, row) quantizes 256 values of row x[row] (rows x_stride floats apart), after
 // an optional transform: RMSNorm with weight `norm` (x / rms(x) * norm; each block sums the
 // row's squares itself), or SiLU-multiply with `up` (silu(x) * up).
@@ -52,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const long long gid = act_group(row, e, gridDim.y, K, group_major);
     if (mode == 0) {
         if (blockIdx.x * 256 + warp * 32 >= K) return;  // whole warps past the row's end
-        quantize_q8_32(v, gid, xq, xd, xs);
+        quantize_q8_32(v, gid, group_major, xq, xd, xs);
         return;
     }
     // largest magnitude, first index on ties
@@ -86,7 +87,7 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
     const float iscale = s_iscale;
     const int q = min(127, __float2int_rn(__fmul_rn(v, iscale)));
-    xq[gid * 32 + (e & 31)] = (signed char)q;
+    xq[gid * 32 + act_byte(e & 31, group_major)] = (signed char)q;
     const int sum = warp_sum_int(q);
     if (lane == 0) {
         const float d = iscale != 0.f ? __fdiv_rn(1.f, iscale) : 0.f;
@@ -202,16 +203,27 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 }
 
 // ---- many tokens: int8 tensor cores (mma.sync m16n8k32 / m16n8k16) ----------------------
-// A block computes MT * 16 weight rows x NT8 * 8 tokens. Its MMA_WARPS warps split K in chunks
-// (warp w: chunks w, w + MMA_WARPS, ...) of MMA_CHUNK bytes of each row's plane 0. A warp
-// copies a chunk's rows with 16-byte coalesced loads into its own shared-memory tile and
-// reads the mma fragments from there (a lane's own fragment words, read from global memory,
-// would touch eight rows per load); the other planes (scales, high bits) likewise. Activations
-// come group-major here (xq [G][n][32], xd and xs [G][n]), so the eight tokens of a fragment
-// are adjacent. The warps' partial sums meet in shared memory at the end.
+// A block computes 16 weight rows x MMA_TOKENS tokens. Its W warps split K in chunks of
+// MMA_CHUNK bytes of each row's plane 0 (8 groups; warp w: chunks w, w + W, ...). Each
+// warp streams its chunks into its own shared-memory ring of MMA_STAGES tiles with cp.async
+// and reads the mma fragments from there (a lane's own fragment words, read from global
+// memory, would touch eight rows per load); the activation comes from global memory (L1),
+// group-major (xq [G][n8][32], xd and xs [G][n8], quantize.cuh), so the eight tokens of a
+// fragment are adjacent. The warps' partial sums meet in shared memory at the end. Rows must
+// hold whole chunks (K % 256 == 0), so that every copy is aligned.
+//
+// The chunk's code is one straight block (no branch on the tokens present, addresses from a
+// few per-lane bases), which lets the compiler overlap the groups' mma latencies: this more
+// than the memory layout decides the speed (7B products at 16 tokens 1.2 -> 1.5 TB/s).
 
-#define MMA_WARPS 8
+#ifndef MMA_STAGES
+#define MMA_STAGES 1  // 1: the next chunk is copied after the warp has read the current one
+#endif
+#ifndef MMA_SM_WARPS
+#define MMA_SM_WARPS 24  // warps an SM must hold: caps the registers (blocks of 8 or 12 warps)
+#endif
 #define MMA_CHUNK 128  // bytes of a row's plane 0 per chunk: 8 groups of 4-bit weights
+#define MMA_TOKENS 16  // two 8-token fragments
 
 __device__ __forceinline__ void mma_k32(int (&c)[4], int a0, int a1, int a2, int a3, int b0,
                                         int b1) {
@@ -230,184 +242,223 @@ __device__ __forceinline__ void mma_k16(int (&c)[4], int a0, int a1, int b0) {
         : "r"(a0), "r"(a1), "r"(b0));
 }
 
-// Bytes of plane k's part of a warp's chunk tile: ROWS rows of U groups (or of the one super-block
-// that U groups lie in), rounded up to 16.
-template <class F, int ROWS, int U>
-__host__ __device__ constexpr int chunk_plane_bytes(int k) {
-    const int b = F::plane_bytes(k);
-    return ((b > 0 ? ROWS * U * b : ROWS * -b) + 15) / 16 * 16;
+// Asynchronous global -> shared copies of BYTES (4, 8 or 16, both addresses aligned to it).
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    if constexpr (BYTES == 16)  // weights stream past L1
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(BYTES));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
-// Plane k (>= 1) of a chunk: loads into v (each element in a uint2) or stores v into dst.
-template <class F, int ROWS, int U, int k>
-__device__ __forceinline__ void chunk_plane(const Planes& P, int lane, long long row_base, int N,
-                                            int G, int c0, uint2 (&v)[ROWS * U / 32 + 1],
-                                            unsigned char* dst) {
-    constexpr int b = F::plane_bytes(k), ab = b > 0 ? b : -b, per_row = b > 0 ? U : 1;
-    if constexpr (b != 0) {
+// Bytes of plane k's part of a warp's chunk tile: 16 rows of U groups, or for a per-super-block
+// plane (2-byte values) 16 aligned words that hold the row's value.
+template <class F, int U>
+__host__ __device__ constexpr int chunk_plane_bytes(int k) {
+    const int b = F::plane_bytes(k);
+    return b > 0 ? 16 * U * b : b < 0 ? 16 * 4 : 0;
+}
+
+// Plane k (>= 1) of the chunk at group c0 for a warp's 16 rows into its tile: each row's U
+// group values lie together and aligned (G % U == 0); a super-block value is copied as the
+// aligned word around it, so row r's value is the tile's 2-byte element 2r + (its index & 1).
+template <class F, int U, int k>
+__device__ __forceinline__ void copy_plane(const Planes& P, int lane, int row_base, int N, int G,
+                                           int c0, unsigned char* dst) {
+    constexpr int b = F::plane_bytes(k);
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(P.p[k]);
+    if constexpr (b > 0) {
+        constexpr int ROW_BYTES = U * b, PIECE = ROW_BYTES < 16 ? ROW_BYTES : 16;
+        constexpr int PIECES = ROW_BYTES / PIECE;
 #pragma unroll
-        for (int j = 0; j * 32 < ROWS * per_row; ++j) {
-            const int e = j * 32 + lane, r = e / per_row, u = e % per_row;
-            if (e >= ROWS * per_row) break;
-            if (dst) {
-                unsigned char* to = dst + e * ab;
-                if (ab == 1) *to = (unsigned char)v[j].x;
-                if (ab == 2) *reinterpret_cast<unsigned short*>(to) = (unsigned short)v[j].x;
-                if (ab == 4) *reinterpret_cast<u32*>(to) = v[j].x;
-                if (ab == 8) *reinterpret_cast<uint2*>(to) = v[j];
-                continue;
-            }
-            const long long row = min(row_base + r, (long long)N - 1);
-            if (b > 0 && c0 + u >= G) continue;
-            const long long at = b > 0 ? row * G + c0 + u : row * (G >> 3) + (c0 >> 3);
-            const unsigned char* from = reinterpret_cast<const unsigned char*>(P.p[k]) + at * ab;
-            if (ab == 1) v[j].x = *from;
-            if (ab == 2) v[j].x = *reinterpret_cast<const unsigned short*>(from);
-            if (ab == 4) v[j].x = *reinterpret_cast<const u32*>(from);
-            if (ab == 8) v[j] = *reinterpret_cast<const uint2*>(from);
+        for (int e = lane; e < 16 * PIECES; e += 32) {
+            const int r = e / PIECES, p = e % PIECES;
+            const long long row = min(row_base + r, N - 1);
+            cp_async<PIECE>(dst + r * ROW_BYTES + p * PIECE, src + (row * G + c0) * b + p * PIECE);
+        }
+    } else if constexpr (b < 0) {
+        static_assert(b == -2, "super-block planes hold 2-byte values");
+        if (lane < 16) {
+            const long long at = (long long)min(row_base + lane, N - 1) * (G >> 3) + (c0 >> 3);
+            cp_async<4>(dst + 4 * lane, src + (at & ~1ll) * 2);
         }
     }
 }
 
-template <class F, int MT, int NT8>
-__global__ void __launch_bounds__(MMA_WARPS * 32)
+// A warp's chunk tile: plane 0 (16 rows x MMA_CHUNK bytes, each row's 16-byte vectors swizzled
+// by row), then planes 1..5 of the chunk.
+template <class F>
+struct ChunkTile {
+    static constexpr int U = MMA_CHUNK / F::qbytes;  // groups per chunk
+    static constexpr int O1 = 16 * MMA_CHUNK, O2 = O1 + chunk_plane_bytes<F, U>(1),
+                         O3 = O2 + chunk_plane_bytes<F, U>(2), O4 = O3 + chunk_plane_bytes<F, U>(3),
+                         O5 = O4 + chunk_plane_bytes<F, U>(4),
+                         BYTES = (O5 + chunk_plane_bytes<F, U>(5) + 15) / 16 * 16;
+
+    // the chunk at group c0 of rows row_base .. row_base + 15, copied by the warp's lanes
+    __device__ static void issue(const Planes& P, int lane, int row_base, int N, int G, int c0,
+                                 unsigned char* tile) {
+        constexpr int VECS = MMA_CHUNK / 16;
+        const unsigned char* plane0 = reinterpret_cast<const unsigned char*>(P.p[0]);
+#pragma unroll
+        for (int j = 0; j < 16 * VECS / 32; ++j) {
+            const int idx = j * 32 + lane, r = idx / VECS, col = idx % VECS;
+            const long long row = min(row_base + r, N - 1);
+            cp_async<16>(tile + r * MMA_CHUNK + (col ^ (r & 7)) * 16,
+                         plane0 + (row * G + c0) * F::qbytes + col * 16);
+        }
+        copy_plane<F, U, 1>(P, lane, row_base, N, G, c0, tile + O1);
+        copy_plane<F, U, 2>(P, lane, row_base, N, G, c0, tile + O2);
+        copy_plane<F, U, 3>(P, lane, row_base, N, G, c0, tile + O3);
+        copy_plane<F, U, 4>(P, lane, row_base, N, G, c0, tile + O4);
+        copy_plane<F, U, 5>(P, lane, row_base, N, G, c0, tile + O5);
+    }
+};
+
+// acc [fragment][element] += the chunk at group c0 of a warp's tile times two 8-token fragments
+// of the group-major activation: tokens x0 - c0 * n8 + 8f (x0: group c0's first token's
+// place), the second fragment `frag` tokens after the first. Element e of fragment f: row
+// gq + 8 (e >> 1), token 8f + 2t + (e & 1).
+template <class F>
+__device__ __forceinline__ void mma_chunk(const unsigned char* tile, int row_base, int N, int G,
+                                          int c0, const signed char* xq, const float* xd,
+                                          const float* xs, long long x0, int n8, int frag,
+                                          float (&acc)[2][4]) {
+    using T = ChunkTile<F>;
+    constexpr int U = T::U, V = F::qbytes / 16;  // groups per chunk, 16-byte vectors per group
+    const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+    const Planes L = {{tile, tile + T::O1, tile + T::O2, tile + T::O3, tile + T::O4, tile + T::O5}};
+    int sb[2];  // rows gq and gq + 8: their super-block values' places in the tile
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const long long rs = (long long)min(row_base + 8 * h + gq, N - 1) * (G >> 3) + (c0 >> 3);
+        sb[h] = 2 * (8 * h + gq) + (int)(rs & 1);
+    }
+    const unsigned char* wrow = tile + gq * MMA_CHUNK + 4 * t;  // both rows swizzled by gq
+    const signed char* xb = xq + (x0 + gq) * 32 + 8 * t;  // B column gq: words t and 4 + t
+    const long long xt = x0 + 2 * t;  // the scales of tokens 2t and 2t + 1
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int col = ((u * V) ^ gq) * 16, col_b = ((u * V + 1) ^ gq) * 16;
+        int lo[2], hi[2];
+        GroupScale sc[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned char* w = wrow + h * 8 * MMA_CHUNK;
+            const u32 wa = *reinterpret_cast<const u32*>(w + col);
+            const u32 wb = V == 2 ? *reinterpret_cast<const u32*>(w + col_b) : 0u;
+            u32 e0 = 0, e1 = 0;
+            F::extra(L, (8 * h + gq) * U + u, e0, e1);
+            F::decode(wa, wb, e0, e1, t, lo[h], hi[h]);
+            sc[h] = F::scale(L, (8 * h + gq) * U + u, sb[h]);
+        }
+#pragma unroll
+        for (int f = 0; f < 2; ++f) {
+            const long long at = (long long)u * n8 + f * frag;  // tokens on from x0
+            const int2 b = *reinterpret_cast<const int2*>(xb + at * 32);
+            const float2 d = *reinterpret_cast<const float2*>(xd + xt + at);
+            const float2 m = F::has_min ? *reinterpret_cast<const float2*>(xs + xt + at)
+                                        : make_float2(0.f, 0.f);
+            int c_lo[4] = {0, 0, 0, 0}, c_hi[4] = {0, 0, 0, 0};
+            if (F::split) {
+                mma_k16(c_lo, lo[0], lo[1], b.x);
+                mma_k16(c_hi, hi[0], hi[1], b.y);
+            } else {
+                mma_k32(c_lo, lo[0], lo[1], hi[0], hi[1], b.x, b.y);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const GroupScale& gs = sc[e >> 1];
+                const float p = F::split ? gs.s_lo * (float)c_lo[e] + gs.s_hi * (float)c_hi[e]
+                                         : gs.s_lo * (float)c_lo[e];
+                acc[f][e] += (e & 1 ? d.y : d.x) * p;
+                if (F::has_min) acc[f][e] += gs.m * (e & 1 ? m.y : m.x);
+            }
+        }
+    }
+}
+
+// y (+)= the block's results: lane's acc [fragment][element] for rows row_base + gq + 8 (e >> 1),
+// tokens tok_base + 8f + 2t + (e & 1)
+__device__ __forceinline__ void mma_store(const float (&acc)[2][4], float* y, int row_base,
+                                          int tok_base, int N, int n_tok, int accumulate) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int f = 0; f < 2; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = row_base + gq + 8 * (e >> 1), tok = tok_base + 8 * f + 2 * t + (e & 1);
+            if (row < N && tok < n_tok) {
+                float* out = y + (long long)tok * N + row;
+                *out = accumulate ? *out + acc[f][e] : acc[f][e];
+            }
+        }
+}
+
+template <class F, int W>
+__global__ void __launch_bounds__(W * 32, MMA_SM_WARPS / W)
     matmul_mma(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
                const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
                int accumulate) {
     pdl_trigger();
     const Planes P = PLANES;
-    constexpr int ROWS = MT * 16, U = MMA_CHUNK / F::qbytes;  // rows and groups per chunk
-    constexpr int STRIDE = MMA_CHUNK + 16;  // a tile row, padded: fragment reads hit 32 banks
-    constexpr int VECS = ROWS * MMA_CHUNK / 16 / 32;  // 16-byte loads per lane per chunk
-    constexpr int ACC = MT * NT8 * 4;  // accumulators per lane
-    // a warp's tile: plane 0 (rows of STRIDE bytes), then planes 1..5 of the chunk
-    constexpr int O1 = ROWS * STRIDE, O2 = O1 + chunk_plane_bytes<F, ROWS, U>(1),
-                  O3 = O2 + chunk_plane_bytes<F, ROWS, U>(2),
-                  O4 = O3 + chunk_plane_bytes<F, ROWS, U>(3),
-                  O5 = O4 + chunk_plane_bytes<F, ROWS, U>(4),
-                  WARP_BYTES = O5 + chunk_plane_bytes<F, ROWS, U>(5);
-    constexpr int TILE_BYTES = MMA_WARPS * WARP_BYTES, SUM_BYTES = MMA_WARPS * ACC * 32 * 4;
-    __shared__ __align__(16) unsigned char smem[TILE_BYTES > SUM_BYTES ? TILE_BYTES : SUM_BYTES];
-    const int G = K >> 5;
+    using T = ChunkTile<F>;
+    constexpr int U = T::U;
+    constexpr int RING = W * MMA_STAGES * T::BYTES, SUMS = W * 8 * 32 * 4;
+    __shared__ __align__(16) unsigned char smem[RING > SUMS ? RING : SUMS];
+    const int G = K >> 5, chunks = G / U, n8 = (n_tok + 7) & ~7;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int gq = lane >> 2, t = lane & 3;  // mma fragment coordinates
-    const int row_base = blockIdx.x * ROWS, tok_base = blockIdx.y * NT8 * 8;
-    unsigned char* tile = smem + warp * WARP_BYTES;
-    const Planes L = {{tile, tile + O1, tile + O2, tile + O3, tile + O4, tile + O5}};
-    const unsigned char* plane0 = reinterpret_cast<const unsigned char*>(P.p[0]);
-    float acc[MT][NT8][4];
+    const int row_base = blockIdx.x * 16, tok_base = blockIdx.y * MMA_TOKENS;
+    // one fragment of tokens left (n8 - tok_base == 8): the second reads the first again
+    const int frag = n8 - tok_base >= 16 ? 8 : 0;
+    unsigned char* ring = smem + warp * MMA_STAGES * T::BYTES;
+    auto issue = [&](int i) {
+        const int chunk = warp + i * W;
+        if (chunk < chunks)
+            T::issue(P, lane, row_base, N, G, chunk * U, ring + (i % MMA_STAGES) * T::BYTES);
+        cp_async_commit();
+    };
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    constexpr int AHEAD = MMA_STAGES > 1 ? MMA_STAGES - 1 : 1;  // chunks issued before the loop
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int i = 0; i < NT8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
-
-    bool waited = false;
-    for (int c0 = warp * U; c0 < G; c0 += MMA_WARPS * U) {
-        // the chunk's planes with coalesced loads: plane 0 as vector j * 32 + lane of
-        // ROWS x MMA_CHUNK bytes, the others as elements; all in flight before any store
-        uint4 vec[VECS];
-#pragma unroll
-        for (int j = 0; j < VECS; ++j) {
-            const int idx = j * 32 + lane, r = idx / (MMA_CHUNK / 16), col = idx % (MMA_CHUNK / 16);
-            const long long row = min(row_base + r, N - 1);
-            vec[j] = c0 + col * 16 / F::qbytes < G
-                         ? *reinterpret_cast<const uint4*>(plane0 + (row * G + c0) * F::qbytes + col * 16)
-                         : make_uint4(0, 0, 0, 0);
-        }
-        uint2 pv[5][ROWS * U / 32 + 1];
-        chunk_plane<F, ROWS, U, 1>(P, lane, row_base, N, G, c0, pv[0], nullptr);
-        chunk_plane<F, ROWS, U, 2>(P, lane, row_base, N, G, c0, pv[1], nullptr);
-        chunk_plane<F, ROWS, U, 3>(P, lane, row_base, N, G, c0, pv[2], nullptr);
-        chunk_plane<F, ROWS, U, 4>(P, lane, row_base, N, G, c0, pv[3], nullptr);
-        chunk_plane<F, ROWS, U, 5>(P, lane, row_base, N, G, c0, pv[4], nullptr);
-        __syncwarp();  // the previous chunk's tile is read
-#pragma unroll
-        for (int j = 0; j < VECS; ++j) {
-            const int idx = j * 32 + lane, r = idx / (MMA_CHUNK / 16), col = idx % (MMA_CHUNK / 16);
-            *reinterpret_cast<uint4*>(tile + r * STRIDE + col * 16) = vec[j];
-        }
-        chunk_plane<F, ROWS, U, 1>(P, lane, row_base, N, G, c0, pv[0], tile + O1);
-        chunk_plane<F, ROWS, U, 2>(P, lane, row_base, N, G, c0, pv[1], tile + O2);
-        chunk_plane<F, ROWS, U, 3>(P, lane, row_base, N, G, c0, pv[2], tile + O3);
-        chunk_plane<F, ROWS, U, 4>(P, lane, row_base, N, G, c0, pv[3], tile + O4);
-        chunk_plane<F, ROWS, U, 5>(P, lane, row_base, N, G, c0, pv[4], tile + O5);
-        __syncwarp();
-        if (!waited) {  // the first weights are in: now the activations
-            pdl_wait();
-            waited = true;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int g = c0 + u;
-            if (g >= G) break;
-            // fragment rows gq and gq + 8 of each 16-row tile, from the tile
-            int lo[MT][2], hi[MT][2];
-            GroupScale sc[MT][2];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = mt * 16 + 8 * h + gq;
-                    const u32* w = reinterpret_cast<const u32*>(tile + r * STRIDE + u * F::qbytes);
-                    u32 e0 = 0, e1 = 0;
-                    F::extra(L, r * U + u, e0, e1);
-                    F::decode(w[t], F::qbytes == 32 ? w[4 + t] : 0u, e0, e1, t, lo[mt][h], hi[mt][h]);
-                    sc[mt][h] = F::scale(L, r * U + u, r);
-                }
-#pragma unroll
-            for (int i = 0; i < NT8; ++i) {
-                const int tb = min(tok_base + i * 8 + gq, n_tok - 1);  // B column = token
-                const int* xw = reinterpret_cast<const int*>(xq + ((long long)g * n_tok + tb) * 32);
-                const int b0 = xw[t], b1 = xw[4 + t];
-                // accumulator element e belongs to token 2t + (e & 1) of the 8
-                const long long x0 = (long long)g * n_tok + min(tok_base + i * 8 + 2 * t, n_tok - 1);
-                const long long x1 = (long long)g * n_tok + min(tok_base + i * 8 + 2 * t + 1, n_tok - 1);
-                const float d[2] = {xd[x0], xd[x1]};
-                const float sum[2] = {F::has_min ? xs[x0] : 0.f, F::has_min ? xs[x1] : 0.f};
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    int c_lo[4] = {0, 0, 0, 0}, c_hi[4] = {0, 0, 0, 0};
-                    if (F::split) {
-                        mma_k16(c_lo, lo[mt][0], lo[mt][1], b0);
-                        mma_k16(c_hi, hi[mt][0], hi[mt][1], b1);
-                    } else {
-                        mma_k32(c_lo, lo[mt][0], lo[mt][1], hi[mt][0], hi[mt][1], b0, b1);
-                    }
-                    // element e: row gq (e < 2) or gq + 8, token 2t + (e & 1)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const GroupScale& gs = sc[mt][e >> 1];
-                        const float part = F::split
-                                               ? gs.s_lo * (float)c_lo[e] + gs.s_hi * (float)c_hi[e]
-                                               : gs.s_lo * (float)c_lo[e];
-                        acc[mt][i][e] += d[e & 1] * part;
-                        if (F::has_min) acc[mt][i][e] += gs.m * sum[e & 1];
-                    }
-                }
-            }
-        }
+    for (int i = 0; i < AHEAD; ++i) issue(i);
+    pdl_wait();  // the first weights are on their way: now the activations may be read
+    for (int i = 0; warp + i * W < chunks; ++i) {
+        if (MMA_STAGES > 1) issue(i + MMA_STAGES - 1);
+        cp_async_wait<MMA_STAGES - 1>();  // chunk i has landed (this lane's copies)
+        __syncwarp();  // ... and every lane's
+        const int c0 = (warp + i * W) * U;
+        const long long x0 = (long long)c0 * n8 + tok_base;
+        mma_chunk<F>(ring + (i % MMA_STAGES) * T::BYTES, row_base, N, G, c0, xq, xd, xs, x0, n8,
+                     frag, acc);
+        __syncwarp();  // the tile is read: it may be refilled
+        if (MMA_STAGES == 1) issue(i + 1);
     }
-    if (!waited) pdl_wait();  // warps past the last chunk
+    cp_async_wait<0>();
     __syncthreads();  // every tile is read: the space holds the partial sums now
-    float(*partial)[ACC][32] = reinterpret_cast<float(*)[ACC][32]>(smem);
+    float(*partial)[8][32] = reinterpret_cast<float(*)[8][32]>(smem);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int f = 0; f < 2; ++f)
 #pragma unroll
-        for (int i = 0; i < NT8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) partial[warp][(mt * NT8 + i) * 4 + e][lane] = acc[mt][i][e];
+        for (int e = 0; e < 4; ++e) partial[warp][f * 4 + e][lane] = acc[f][e];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < ACC * 32; idx += MMA_WARPS * 32) {
-        const int a = idx >> 5, ln = idx & 31, e = a & 3, i = (a >> 2) % NT8, mt = (a >> 2) / NT8;
-        float v = 0.f;
+    if (warp == 0) {
 #pragma unroll
-        for (int w = 0; w < MMA_WARPS; ++w) v += partial[w][a][ln];
-        const int row = row_base + mt * 16 + (e >> 1) * 8 + (ln >> 2);
-        const int tok = tok_base + i * 8 + 2 * (ln & 3) + (e & 1);
-        if (row < N && tok < n_tok) {
-            float* out = y + (long long)tok * N + row;
-            *out = accumulate ? *out + v : v;
-        }
+        for (int f = 0; f < 2; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v = 0.f;
+#pragma unroll
+                for (int w = 0; w < W; ++w) v += partial[w][f * 4 + e][lane];
+                acc[f][e] = v;
+            }
+        mma_store(acc, y, row_base, tok_base, N, n_tok, accumulate);
     }
 }
 

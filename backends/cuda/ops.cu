@@ -198,7 +198,7 @@ __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* t
         out[(long long)qh * hd + d] = v;
         if (xq)  // whole warps (hd: a multiple of 32), each a group of 32 of the query's row
             quantize_q8_32(v, act_group(qh / h, (qh % h) * hd + d, gridDim.z, h * hd, group_major),
-                           xq, xd, xs);
+                           group_major, xq, xd, xs);
     }
     if (threadIdx.x == 0) tickets[qh] = 0;
 }
