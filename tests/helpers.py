@@ -68,20 +68,20 @@ def random_blocks(
             d = (rng.random(nb) * 0.004 + 0.001).astype(np.float16)
             raw[:, at : at + 2] = d.view(np.uint8).reshape(nb, 2)
         return raw.reshape(n_rows, -1)
+    if qtype in _K_SPAN:
+        # K-quants: random integer fields; fp16 super-block scales that give weights of about std
+        nb = n_rows * n_cols // fmt.block_size
+        raw = rng.integers(0, 256, (nb, fmt.block_bytes), dtype=np.uint8)
+        for at in (208,) if qtype == "Q6_K" else (0, 2):
+            d = (rng.random(nb) + 0.5) * std / _K_SPAN[qtype]
+            raw[:, at : at + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+        return raw.reshape(n_rows, -1)
     x = rng.standard_normal((n_rows, n_cols)).astype(np.float32) * std
     if qtype == "F32":
         return x.view(np.uint8).reshape(n_rows, -1)
     if qtype == "F16":
         return x.astype(np.float16).view(np.uint8).reshape(n_rows, -1)
-    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
-        return quantize_ref(x, qtype).reshape(n_rows, -1)
-    # K-quants: random integer fields; fp16 super-block scales that give weights of about std
-    nb = n_rows * n_cols // fmt.block_size
-    raw = rng.integers(0, 256, (nb, fmt.block_bytes), dtype=np.uint8)
-    for at in (208,) if qtype == "Q6_K" else (0, 2):
-        d = (rng.random(nb) + 0.5) * std / _K_SPAN[qtype]
-        raw[:, at : at + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
-    return raw.reshape(n_rows, -1)
+    return quantize_ref(x, qtype).reshape(n_rows, -1)
 
 
 def write_tiny_model(
