@@ -6,8 +6,7 @@ streamed: whichever kernel the backend picks for each count of tokens.
     python scripts/gpu_matmul_bench.py --shape llama2-7b --types Q4_0 Q4_K --tokens 1 2 4 8 16
     FASTRUN_MATVEC_BATCH=16 python scripts/gpu_matmul_bench.py ...  # the dp4a matvec throughout
 
-Picks MATVEC_BATCH, MMA_SM_WARPS and MMA_WARPS in backends/cuda/backend.py (and MMA_STAGES in
-matmul.cu).
+Picks MATVEC_BATCH, MMA_SM_WARPS and MMA_WARPS in backends/cuda/backend.py.
 """
 
 from __future__ import annotations

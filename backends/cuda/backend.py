@@ -34,7 +34,7 @@ MATVEC_ROWS = 8 * MATVEC_TUNING[0]  # weight rows per matvec block: 8 warps (mat
 MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
 DENSE_ROWS = 128  # from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
 # warps an SM must hold of the tensor-core kernel (caps its registers at 80); its warps copy
-# one chunk at a time (MMA_STAGES, matmul.cu). H200, 7B shape, 16 sequences: 3.98 ms a step;
+# one chunk at a time (matmul.cu). H200, 7B shape, 16 sequences: 3.98 ms a step;
 # 4-warp blocks with 2 or 3 chunks in flight measured 4.32 and 4.19 ms, warps splitting rows
 # around one shared activation tile (K split across blocks) 4.93
 MMA_SM_WARPS = 24

@@ -205,8 +205,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 // ---- many tokens: int8 tensor cores (mma.sync m16n8k32 / m16n8k16) ----------------------
 // A block computes 16 weight rows x MMA_TOKENS tokens. Its W warps split K in chunks of
 // MMA_CHUNK bytes of each row's plane 0 (8 groups; warp w: chunks w, w + W, ...). Each
-// warp streams its chunks into its own shared-memory ring of MMA_STAGES tiles with cp.async
-// and reads the mma fragments from there (a lane's own fragment words, read from global
+// warp copies its chunk into its own shared-memory tile with cp.async (the next one once
+// the warp has read it: rings of 2-3 tiles measured slower, and 8 or 12 warps' rings
+// outgrow the 48 KB of static shared memory) and reads the mma fragments from there (a lane's own fragment words, read from global
 // memory, would touch eight rows per load); the activation comes from global memory (L1),
 // group-major (xq [G][n8][32], xd and xs [G][n8], quantize.cuh), so the eight tokens of a
 // fragment are adjacent. The warps' partial sums meet in shared memory at the end. Rows must
@@ -216,9 +217,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 // few per-lane bases), which lets the compiler overlap the groups' mma latencies: this more
 // than the memory layout decides the speed (7B products at 16 tokens 1.2 -> 1.5 TB/s).
 
-#ifndef MMA_STAGES
-#define MMA_STAGES 1  // 1: the next chunk is copied after the warp has read the current one
-#endif
 #ifndef MMA_SM_WARPS
 #define MMA_SM_WARPS 24  // warps an SM must hold: caps the registers (blocks of 8 or 12 warps)
 #endif
@@ -410,35 +408,30 @@ __global__ void __launch_bounds__(W * 32, MMA_SM_WARPS / W)
     const Planes P = PLANES;
     using T = ChunkTile<F>;
     constexpr int U = T::U;
-    constexpr int RING = W * MMA_STAGES * T::BYTES, SUMS = W * 8 * 32 * 4;
-    __shared__ __align__(16) unsigned char smem[RING > SUMS ? RING : SUMS];
+    constexpr int TILES = W * T::BYTES, SUMS = W * 8 * 32 * 4;
+    __shared__ __align__(16) unsigned char smem[TILES > SUMS ? TILES : SUMS];
     const int G = K >> 5, chunks = G / U, n8 = (n_tok + 7) & ~7;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row_base = blockIdx.x * 16, tok_base = blockIdx.y * MMA_TOKENS;
     // one fragment of tokens left (n8 - tok_base == 8): the second reads the first again
     const int frag = n8 - tok_base >= 16 ? 8 : 0;
-    unsigned char* ring = smem + warp * MMA_STAGES * T::BYTES;
-    auto issue = [&](int i) {
+    unsigned char* tile = smem + warp * T::BYTES;
+    auto issue = [&](int i) {  // the warp's i-th chunk into its tile
         const int chunk = warp + i * W;
-        if (chunk < chunks)
-            T::issue(P, lane, row_base, N, G, chunk * U, ring + (i % MMA_STAGES) * T::BYTES);
+        if (chunk < chunks) T::issue(P, lane, row_base, N, G, chunk * U, tile);
         cp_async_commit();
     };
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    constexpr int AHEAD = MMA_STAGES > 1 ? MMA_STAGES - 1 : 1;  // chunks issued before the loop
-#pragma unroll
-    for (int i = 0; i < AHEAD; ++i) issue(i);
+    issue(0);
     pdl_wait();  // the first weights are on their way: now the activations may be read
     for (int i = 0; warp + i * W < chunks; ++i) {
-        if (MMA_STAGES > 1) issue(i + MMA_STAGES - 1);
-        cp_async_wait<MMA_STAGES - 1>();  // chunk i has landed (this lane's copies)
+        cp_async_wait<0>();  // chunk i has landed (this lane's copies)
         __syncwarp();  // ... and every lane's
         const int c0 = (warp + i * W) * U;
         const long long x0 = (long long)c0 * n8 + tok_base;
-        mma_chunk<F>(ring + (i % MMA_STAGES) * T::BYTES, row_base, N, G, c0, xq, xd, xs, x0, n8,
-                     frag, acc);
-        __syncwarp();  // the tile is read: it may be refilled
-        if (MMA_STAGES == 1) issue(i + 1);
+        mma_chunk<F>(tile, row_base, N, G, c0, xq, xd, xs, x0, n8, frag, acc);
+        __syncwarp();  // the tile is read: the next chunk may come in
+        issue(i + 1);
     }
     cp_async_wait<0>();
     __syncthreads();  // every tile is read: the space holds the partial sums now
