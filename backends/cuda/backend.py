@@ -19,7 +19,7 @@ import numpy as np
 from fastrun.backends.base import Backend, RopeConfig, Weight
 from fastrun.backends.cuda.graphs import StepGraph, host_result
 from fastrun.backends.cuda.launch import Launcher
-from fastrun.backends.cuda.weights import FLOAT_FORMATS, KERNEL_FORMATS, repack
+from fastrun.backends.cuda.weights import FLOAT_FORMATS, KERNEL_FORMATS, repack, with_slack
 from fastrun.backends.reference import rope_angles
 from fastrun.formats.errors import FastrunError
 
@@ -38,7 +38,14 @@ DENSE_ROWS = 128  # from this many tokens on: weights to fp16, then cuBLAS (fp16
 # 4-warp blocks with 2 or 3 chunks in flight measured 4.32 and 4.19 ms, warps splitting rows
 # around one shared activation tile (K split across blocks) 4.93
 MMA_SM_WARPS = 24
-MMA_WARPS = (8, 12)  # warps of a block (they split K): more where the blocks are few
+MMA_WARPS = tuple(
+    int(v) for v in os.environ.get("FASTRUN_MMA_WARPS", "8,12").split(",")
+)  # warps of a block (they split K): more where the blocks are few
+MMA_CHUNK = 128  # bytes of a row's plane 0 per chunk (matmul.cu)
+MMA_MAX_STAGES = 4  # tiles in a warp's copy ring at most (matmul.cu)
+# shared memory an SM may give the rings of its MMA_SM_WARPS warps (the rest stays L1 for the
+# activations)
+MMA_SM_SHARED = int(os.environ.get("FASTRUN_MMA_SHARED", str(160 * 1024)))
 MMA_TOKENS = 16  # tokens per tensor-core block
 MMA_ROW_GROUPS = 8  # the tensor-core kernel takes rows of whole 8-group chunks (matmul.cu)
 ATTN_MIN_SHARE = 64  # the fewest cache positions worth an attention split of their own
@@ -87,6 +94,7 @@ class _Kernels:
         self.ops = cp.RawModule(code=(SOURCES / "ops.cu").read_text(), options=options)
         self.select = cp.RawModule(code=(SOURCES / "select.cu").read_text(), options=options)
         self.launch = Launcher()
+        self._shared_optin = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
         self._cache: dict[str, Callable] = {}
 
     def __call__(self, name: str) -> Callable:
@@ -97,21 +105,42 @@ class _Kernels:
                 module = self.matmul
             else:
                 module = self.select if name == "top_k" else self.ops
-            kernel = self._cache[name] = partial(self.launch, module.get_function(name))
+            function = module.get_function(name)
+            if name.startswith("matmul_mma"):  # rings past the 48 KB default (_mma_ring)
+                function.max_dynamic_shared_size_bytes = self._shared_optin
+            kernel = self._cache[name] = partial(self.launch, function)
         return kernel
 
 
 def _tensor_cores(n: int, n_in: int) -> bool:
     """Whether products of n tokens with rows of n_in weights take the tensor-core kernel,
-    whose activations are group-major (matmul.cu); else the matvec or cuBLAS."""
+    whose activations are tiled (quantize.cuh); else the matvec or cuBLAS."""
     return MATVEC_BATCH < n < DENSE_ROWS and n_in % (32 * MMA_ROW_GROUPS) == 0
 
 
-def _activation(n: int, k: int, group_major: bool) -> tuple:
+def _mma_ring(w: CUDAWeight, warps: int) -> tuple[int, int]:
+    """(stages, dynamic shared bytes) of the tensor-core kernel for w: as many tiles a warp as
+    it has chunks, within MMA_SM_SHARED for an SM's warps and MMA_MAX_STAGES."""
+    groups = w.n_in // 32
+    per_chunk = MMA_CHUNK * groups // (w.planes[0].nbytes // w.n_out)  # groups in a chunk
+    tile = 0  # ChunkTile<F>::BYTES: 16 rows of each plane's part of a chunk
+    for plane in w.planes:
+        row = plane.nbytes // w.n_out
+        tile += (
+            64 if row < groups else 16 * row // groups * per_chunk
+        )  # a super-block value: a word
+    tile = (tile + 15) // 16 * 16
+    chunks_per_warp = -(-(groups // per_chunk) // warps)
+    fit = MMA_SM_SHARED // (MMA_SM_WARPS * tile)
+    stages = max(1, min(MMA_MAX_STAGES, chunks_per_warp, fit))
+    return stages, max(warps * stages * tile, warps * 8 * 32 * 4)  # or the partial sums
+
+
+def _activation(n: int, k: int, tiled: bool) -> tuple:
     """Room for n rows of k values quantized to 8 bits: (xq, xd, xs) as quantize.cuh lays them
-    out; group-major rounds n up to whole fragments of 8 tokens."""
-    if group_major:
-        n = (n + 7) // 8 * 8
+    out; tiled rounds n up to whole tiles of MMA_TOKENS tokens."""
+    if tiled:
+        n = (n + MMA_TOKENS - 1) // MMA_TOKENS * MMA_TOKENS
     groups = n * k // 32
     return cp.empty((n, k), cp.int8), cp.empty(groups, cp.float32), cp.empty(groups, cp.float32)
 
@@ -175,18 +204,18 @@ class CUDABackend(Backend):
 
     # -- matrix products --------------------------------------------------------------------
 
-    def _quantize(self, x, per_256: bool, norm=None, eps: float = 0.0, up=None, group_major=None):
+    def _quantize(self, x, per_256: bool, norm=None, eps: float = 0.0, up=None, tiled=None):
         """x [n, k] (rows may be strided views) -> (xq int8 [n, k], xd [n, k/32], xs [n, k/32])
         as formats.cuh expects; first x / rms(x) * norm, or silu(x) * up, when given.
-        group_major: the tensor-core kernel's layout (matmul.cu); by default where the
+        tiled: the tensor-core kernel's layout (quantize.cuh); by default where the
         product of x takes that kernel."""
         n, k = x.shape
-        if group_major is None:
-            group_major = _tensor_cores(n, k)
-        xq, xd, xs = _activation(n, k, group_major)
+        if tiled is None:
+            tiled = _tensor_cores(n, k)
+        xq, xd, xs = _activation(n, k, tiled)
         args = (x, _i32(x.strides[0] // 4), _NULL if norm is None else norm, np.float64(eps))
         args += (_NULL, _i32(0)) if up is None else (up, _i32(up.strides[0] // 4))
-        args += (_i32(k), _i32(per_256), _i32(group_major), xq, xd, xs)
+        args += (_i32(k), _i32(per_256), _i32(tiled), xq, xd, xs)
         self.k("quantize_rows")(((k + 255) // 256, n), (256,), args)
         return xq, xd, xs
 
@@ -213,18 +242,17 @@ class CUDABackend(Backend):
             kernel = self.k(f"matvec_f<{_float_name(w.qtype)}, {t}>")
             kernel(grid, (256,), (w.planes[0], x, y, *args))
             return
-        xq, xd, xs = act
+        inputs = (*w.plane_args(), *act, y, *args)
         if not _tensor_cores(n, w.n_in):
             t = next((t for t in MATVEC_TOKENS if t >= n), MATVEC_TOKENS[-1])
-            kernel = self.k(f"matvec_q<{w.kernel_format}, {t}>")
-            rows = MATVEC_ROWS
-            grid, block = ((w.n_out + rows - 1) // rows, (n + t - 1) // t), 256
-        else:
-            grid = ((w.n_out + 15) // 16, (n + MMA_TOKENS - 1) // MMA_TOKENS)
-            warps = self._mma_warps(grid[0] * grid[1], w.n_in // (32 * MMA_ROW_GROUPS))
-            kernel = self.k(f"matmul_mma<{w.kernel_format}, {warps}>")
-            block = 32 * warps
-        kernel(grid, (block,), (*w.plane_args(), xq, xd, xs, y, *args))
+            grid = ((w.n_out + MATVEC_ROWS - 1) // MATVEC_ROWS, (n + t - 1) // t)
+            self.k(f"matvec_q<{w.kernel_format}, {t}>")(grid, (256,), inputs)
+            return
+        grid = ((w.n_out + 15) // 16, (n + MMA_TOKENS - 1) // MMA_TOKENS)
+        warps = self._mma_warps(grid[0] * grid[1], w.n_in // (32 * MMA_ROW_GROUPS))
+        stages, shared = _mma_ring(w, warps)
+        kernel = self.k(f"matmul_mma<{w.kernel_format}, {warps}>")
+        kernel(grid, (32 * warps,), (*inputs, _i32(stages)), shared)
 
     def _mma_warps(self, blocks: int, chunks: int) -> int:
         """Warps per tensor-core block: the wider kind where every block of them is resident
@@ -293,7 +321,8 @@ class CUDABackend(Backend):
     @staticmethod
     def _fuse(ws: list[CUDAWeight]) -> CUDAWeight:
         planes = [
-            cp.concatenate(group, axis=0) for group in zip(*(w.planes for w in ws), strict=True)
+            with_slack(cp.concatenate(group, axis=0))
+            for group in zip(*(w.planes for w in ws), strict=True)
         ]
         start = 0
         for w in ws:  # the originals become views: no second copy stays on the device
@@ -430,10 +459,10 @@ class CUDABackend(Backend):
         # a 32-block format (Q4_0 ... Q8_0); a kernel launch fewer per layer
         self._attn_act = None
         if hd % 32 == 0 and n < DENSE_ROWS:
-            group_major = _tensor_cores(n, h * hd)
-            act = _activation(n, h * hd, group_major)
+            tiled = _tensor_cores(n, h * hd)
+            act = _activation(n, h * hd, tiled)
             self._attn_act = (out, act)
-            args += (*act, _i32(group_major))
+            args += (*act, _i32(tiled))
         else:
             args += (_NULL, _NULL, _NULL, _i32(0))
         self.k("attn_split")((h, splits, n), (128,), args)

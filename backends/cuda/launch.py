@@ -90,9 +90,12 @@ class Launcher:
         finally:
             self._recording = False
 
-    def __call__(self, kernel: cp.RawKernel, grid: tuple, block: tuple, args: tuple) -> None:
+    def __call__(
+        self, kernel: cp.RawKernel, grid: tuple, block: tuple, args: tuple, shared: int = 0
+    ) -> None:
+        """Launch with `shared` bytes of dynamic shared memory."""
         if self._launch is None or not self._recording:
-            kernel(grid, block, args)
+            kernel(grid, block, args, shared_mem=shared)
             return
         values = [_argument(a) for a in args]
         pointers = (ctypes.c_void_p * len(values))(
@@ -102,7 +105,7 @@ class Launcher:
         config = _Config(
             grid=(ctypes.c_uint * 3)(*grid),
             block=(ctypes.c_uint * 3)(*block),
-            shared_bytes=0,
+            shared_bytes=shared,
             stream=cp.cuda.get_current_stream().ptr,
             attrs=ctypes.pointer(self._attr),
             n_attrs=1,

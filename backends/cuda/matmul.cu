@@ -13,11 +13,16 @@
 // but the rarest cases, so both backends feed the same values to the 8-bit quantizer.
 __device__ __forceinline__ float silu(float g) { return g / (1.f + (float)exp(-(double)g)); }
 
+// Integer dot products start from SUM_BIAS, the bits of the float 1.5 * 2^23: a sum c
+// (|c| < 2^22) then reads as the float 1.5 * 2^23 + c exactly, and one FADD turns it into c
+// as a float; the int-to-float conversion it replaces runs at an eighth of the FADD rate.
+#define SUM_BIAS 0x4B400000
+__device__ __forceinline__ float biased_sum(int c) { return __int_as_float(c) - 12582912.f; }
+
 
 // xq int8 [n, K], xd float [n, K/32] (the scale; for Q8_K the super-block's, repeated), xs
 // float [n, K/32] (Q8_1's s, or xd * sum(xq) for Q8_K), per group gid = token * G + g, or
-// with group_major (the tensor-core kernel's layout, quantize.cuh) [n8, K] and gid = g * n8 +
-// token, n8 = n rounded up to a multiple of 8.
+// tiled (the tensor-core kernel's layout, quantize.cuh: n rounded up to whole tiles of 16).
 // Block (chunk, row) quantizes 256 values of row x[row] (rows x_stride floats apart), after
 // an optional transform: RMSNorm with weight `norm` (x / rms(x) * norm; each block sums the
 // row's squares itself), or SiLU-multiply with `up` (silu(x) * up).
@@ -27,7 +32,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + (float)exp(-(
 extern "C" __global__ void __launch_bounds__(256)
     quantize_rows(const float* __restrict__ x, int x_stride, const float* __restrict__ norm,
                   double eps, const float* __restrict__ up, int up_stride, int K, int mode,
-                  int group_major, signed char* __restrict__ xq, float* __restrict__ xd,
+                  int tiled, signed char* __restrict__ xq, float* __restrict__ xd,
                   float* __restrict__ xs) {
     pdl_start();
     __shared__ double s_sum[8];
@@ -50,10 +55,10 @@ extern "C" __global__ void __launch_bounds__(256)
         if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * norm[e];
     }
     if (up && e < K) v = silu(v) * up[row * up_stride + e];
-    const long long gid = act_group(row, e, gridDim.y, K, group_major);
+    const long long gid = act_group(row, e, K, tiled);
     if (mode == 0) {
         if (blockIdx.x * 256 + warp * 32 >= K) return;  // whole warps past the row's end
-        quantize_q8_32(v, gid, group_major, xq, xd, xs);
+        quantize_q8_32(v, gid, tiled, xq, xd, xs);
         return;
     }
     // largest magnitude, first index on ties
@@ -87,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
     const float iscale = s_iscale;
     const int q = min(127, __float2int_rn(__fmul_rn(v, iscale)));
-    xq[gid * 32 + act_byte(e & 31, group_major)] = (signed char)q;
+    xq[gid * 32 + act_byte(e & 31, tiled)] = (signed char)q;
     const int sum = warp_sum_int(q);
     if (lane == 0) {
         const float d = iscale != 0.f ? __fdiv_rn(1.f, iscale) : 0.f;
@@ -168,8 +173,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
                     const uint4 a = wa[r][u], b = wb[r][u];
                     int lo, hi, dl, dh;
                     F::decode(a.x, b.x, e0[r][u], e1[r][u], 0, lo, hi);
-                    dl = __dp4a(lo, x0.x, 0);
-                    dh = __dp4a(hi, x1.x, 0);
+                    dl = __dp4a(lo, x0.x, SUM_BIAS);
+                    dh = __dp4a(hi, x1.x, F::split ? SUM_BIAS : 0);
                     F::decode(a.y, b.y, e0[r][u], e1[r][u], 1, lo, hi);
                     dl = __dp4a(lo, x0.y, dl);
                     dh = __dp4a(hi, x1.y, dh);
@@ -180,8 +185,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
                     dl = __dp4a(lo, x0.w, dl);
                     dh = __dp4a(hi, x1.w, dh);
                     const GroupScale& sc = s[r][u];
-                    const float part = F::split ? sc.s_lo * (float)dl + sc.s_hi * (float)dh
-                                                : sc.s_lo * (float)(dl + dh);
+                    const float part = F::split
+                                           ? sc.s_lo * biased_sum(dl) + sc.s_hi * biased_sum(dh)
+                                           : sc.s_lo * biased_sum(dl + dh);
                     acc[r][j] += d * part;
                     if (F::has_min) acc[r][j] += sc.m * sum;
                 }
@@ -205,12 +211,12 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 // ---- many tokens: int8 tensor cores (mma.sync m16n8k32 / m16n8k16) ----------------------
 // A block computes 16 weight rows x MMA_TOKENS tokens. Its W warps split K in chunks of
 // MMA_CHUNK bytes of each row's plane 0 (8 groups; warp w: chunks w, w + W, ...). Each
-// warp copies its chunk into its own shared-memory tile with cp.async (the next one once
-// the warp has read it: rings of 2-3 tiles measured slower, and 8 or 12 warps' rings
-// outgrow the 48 KB of static shared memory) and reads the mma fragments from there (a lane's own fragment words, read from global
+// warp streams its chunks through its own ring of `stages` tiles in dynamic shared memory
+// with cp.async, the whole ring issued before the wait on the previous kernel (launch.cuh),
+// and reads the mma fragments from there (a lane's own fragment words, read from global
 // memory, would touch eight rows per load); the activation comes from global memory (L1),
-// group-major (xq [G][n8][32], xd and xs [G][n8], quantize.cuh), so the eight tokens of a
-// fragment are adjacent. The warps' partial sums meet in shared memory at the end. Rows must
+// tiled (xq [n16 / 16][G][16][32], xd and xs [n16 / 16][G][16], quantize.cuh), so a block's
+// fragments lie at fixed distances from one base address. The warps' partial sums meet in shared memory at the end. Rows must
 // hold whole chunks (K % 256 == 0), so that every copy is aligned.
 //
 // The chunk's code is one straight block (no branch on the tokens present, addresses from a
@@ -222,22 +228,25 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 #endif
 #define MMA_CHUNK 128  // bytes of a row's plane 0 per chunk: 8 groups of 4-bit weights
 #define MMA_TOKENS 16  // two 8-token fragments
+#define MMA_MAX_STAGES 4  // tiles in a warp's ring at most (cp_async_wait_dyn)
 
-__device__ __forceinline__ void mma_k32(int (&c)[4], int a0, int a1, int a2, int a3, int b0,
-                                        int b1) {
+// d = a * b + c, every element of c the same value (the accumulator's start, SUM_BIAS): an
+// operand of its own, so no copy of it per product.
+__device__ __forceinline__ void mma_k32(int (&d)[4], int a0, int a1, int a2, int a3, int b0, int b1,
+                                        int c) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        "{%8,%9}, {%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
 }
 
-__device__ __forceinline__ void mma_k16(int (&c)[4], int a0, int a1, int b0) {
+__device__ __forceinline__ void mma_k16(int (&d)[4], int a0, int a1, int b0, int c) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
-        "{%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(b0));
+        "{%7,%7,%7,%7};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(c));
 }
 
 // Asynchronous global -> shared copies of BYTES (4, 8 or 16, both addresses aligned to it).
@@ -254,6 +263,15 @@ template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
+// The same for a count known at run time (at most MMA_MAX_STAGES - 1).
+__device__ __forceinline__ void cp_async_wait_dyn(int pending) {
+    switch (pending) {
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        default: cp_async_wait<3>(); break;
+    }
+}
 
 // Bytes of plane k's part of a warp's chunk tile: 16 rows of U groups, or for a per-super-block
 // plane (2-byte values) 16 aligned words that hold the row's value.
@@ -266,25 +284,26 @@ __host__ __device__ constexpr int chunk_plane_bytes(int k) {
 // Plane k (>= 1) of the chunk at group c0 for a warp's 16 rows into its tile: each row's U
 // group values lie together and aligned (G % U == 0); a super-block value is copied as the
 // aligned word around it, so row r's value is the tile's 2-byte element 2r + (its index & 1).
+// Rows past the matrix's last are read from the planes' slack (weights.py).
 template <class F, int U, int k>
-__device__ __forceinline__ void copy_plane(const Planes& P, int lane, int row_base, int N, int G,
-                                           int c0, unsigned char* dst) {
+__device__ __forceinline__ void copy_plane(const Planes& P, int lane, int row_base, int G, int c0,
+                                           unsigned char* dst) {
     constexpr int b = F::plane_bytes(k);
     const unsigned char* src = reinterpret_cast<const unsigned char*>(P.p[k]);
     if constexpr (b > 0) {
         constexpr int ROW_BYTES = U * b, PIECE = ROW_BYTES < 16 ? ROW_BYTES : 16;
         constexpr int PIECES = ROW_BYTES / PIECE;
+        const unsigned char* rows = src + (long long)row_base * G * b;  // the block's first row
 #pragma unroll
         for (int e = lane; e < 16 * PIECES; e += 32) {
             const int r = e / PIECES, p = e % PIECES;
-            const long long row = min(row_base + r, N - 1);
-            cp_async<PIECE>(dst + r * ROW_BYTES + p * PIECE, src + (row * G + c0) * b + p * PIECE);
+            cp_async<PIECE>(dst + r * ROW_BYTES + p * PIECE, rows + (r * G + c0) * b + p * PIECE);
         }
     } else if constexpr (b < 0) {
         static_assert(b == -2, "super-block planes hold 2-byte values");
         if (lane < 16) {
-            const long long at = (long long)min(row_base + lane, N - 1) * (G >> 3) + (c0 >> 3);
-            cp_async<4>(dst + 4 * lane, src + (at & ~1ll) * 2);
+            const int at = (row_base + lane) * (G >> 3) + (c0 >> 3);
+            cp_async<4>(dst + 4 * lane, src + (long long)(at & ~1) * 2);
         }
     }
 }
@@ -300,34 +319,36 @@ struct ChunkTile {
                          BYTES = (O5 + chunk_plane_bytes<F, U>(5) + 15) / 16 * 16;
 
     // the chunk at group c0 of rows row_base .. row_base + 15, copied by the warp's lanes
-    __device__ static void issue(const Planes& P, int lane, int row_base, int N, int G, int c0,
+    __device__ static void issue(const Planes& P, int lane, int row_base, int G, int c0,
                                  unsigned char* tile) {
-        constexpr int VECS = MMA_CHUNK / 16;
-        const unsigned char* plane0 = reinterpret_cast<const unsigned char*>(P.p[0]);
+        // plane 0: lane copies 16-byte vector lane % 8 of rows lane / 8 + 4j, which the tile
+        // holds swizzled by the row's low bits, lane / 8 + 4 (j & 1)
+        static_assert(MMA_CHUNK == 8 * 16, "a row of plane 0: eight vectors");
+        const int r0 = lane >> 3, v = lane & 7;
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(P.p[0]) +
+                                   ((long long)(row_base + r0) * G + c0) * F::qbytes + v * 16;
+        const long long src_step = 4ll * G * F::qbytes;  // four rows
+        unsigned char* dst = tile + r0 * MMA_CHUNK;
+        const int swizzled = (v ^ r0) * 16;
 #pragma unroll
-        for (int j = 0; j < 16 * VECS / 32; ++j) {
-            const int idx = j * 32 + lane, r = idx / VECS, col = idx % VECS;
-            const long long row = min(row_base + r, N - 1);
-            cp_async<16>(tile + r * MMA_CHUNK + (col ^ (r & 7)) * 16,
-                         plane0 + (row * G + c0) * F::qbytes + col * 16);
-        }
-        copy_plane<F, U, 1>(P, lane, row_base, N, G, c0, tile + O1);
-        copy_plane<F, U, 2>(P, lane, row_base, N, G, c0, tile + O2);
-        copy_plane<F, U, 3>(P, lane, row_base, N, G, c0, tile + O3);
-        copy_plane<F, U, 4>(P, lane, row_base, N, G, c0, tile + O4);
-        copy_plane<F, U, 5>(P, lane, row_base, N, G, c0, tile + O5);
+        for (int j = 0; j < 4; ++j)
+            cp_async<16>(dst + j * 4 * MMA_CHUNK + (swizzled ^ (j & 1) * 64), src + j * src_step);
+        copy_plane<F, U, 1>(P, lane, row_base, G, c0, tile + O1);
+        copy_plane<F, U, 2>(P, lane, row_base, G, c0, tile + O2);
+        copy_plane<F, U, 3>(P, lane, row_base, G, c0, tile + O3);
+        copy_plane<F, U, 4>(P, lane, row_base, G, c0, tile + O4);
+        copy_plane<F, U, 5>(P, lane, row_base, G, c0, tile + O5);
     }
 };
 
-// acc [fragment][element] += the chunk at group c0 of a warp's tile times two 8-token fragments
-// of the group-major activation: tokens x0 - c0 * n8 + 8f (x0: group c0's first token's
-// place), the second fragment `frag` tokens after the first. Element e of fragment f: row
-// gq + 8 (e >> 1), token 8f + 2t + (e & 1).
+// acc [fragment][element] += the chunk at group c0 of a warp's tile times the two 8-token
+// fragments of the tiled activation from group x0 on (the block's tile of tokens, group c0).
+// Element e of fragment f: row gq + 8 (e >> 1), token 8f + 2t + (e & 1). Tokens past n_tok
+// (the tile's padding) are read as they are: their columns of the results are not stored.
 template <class F>
-__device__ __forceinline__ void mma_chunk(const unsigned char* tile, int row_base, int N, int G,
+__device__ __forceinline__ void mma_chunk(const unsigned char* tile, int row_base, int G,
                                           int c0, const signed char* xq, const float* xd,
-                                          const float* xs, long long x0, int n8, int frag,
-                                          float (&acc)[2][4]) {
+                                          const float* xs, long long x0, float (&acc)[2][4]) {
     using T = ChunkTile<F>;
     constexpr int U = T::U, V = F::qbytes / 16;  // groups per chunk, 16-byte vectors per group
     const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
@@ -335,12 +356,13 @@ __device__ __forceinline__ void mma_chunk(const unsigned char* tile, int row_bas
     int sb[2];  // rows gq and gq + 8: their super-block values' places in the tile
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const long long rs = (long long)min(row_base + 8 * h + gq, N - 1) * (G >> 3) + (c0 >> 3);
-        sb[h] = 2 * (8 * h + gq) + (int)(rs & 1);
+        const int rs = (row_base + 8 * h + gq) * (G >> 3) + (c0 >> 3);
+        sb[h] = 2 * (8 * h + gq) + (rs & 1);
     }
     const unsigned char* wrow = tile + gq * MMA_CHUNK + 4 * t;  // both rows swizzled by gq
     const signed char* xb = xq + (x0 + gq) * 32 + 8 * t;  // B column gq: words t and 4 + t
-    const long long xt = x0 + 2 * t;  // the scales of tokens 2t and 2t + 1
+    const float* xdt = xd + x0 + 2 * t;  // the scales of tokens 2t and 2t + 1
+    const float* xst = xs + x0 + 2 * t;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int col = ((u * V) ^ gq) * 16, col_b = ((u * V + 1) ^ gq) * 16;
@@ -358,23 +380,24 @@ __device__ __forceinline__ void mma_chunk(const unsigned char* tile, int row_bas
         }
 #pragma unroll
         for (int f = 0; f < 2; ++f) {
-            const long long at = (long long)u * n8 + f * frag;  // tokens on from x0
+            const int at = u * 16 + f * 8;  // the fragment's first token from x0
             const int2 b = *reinterpret_cast<const int2*>(xb + at * 32);
-            const float2 d = *reinterpret_cast<const float2*>(xd + xt + at);
-            const float2 m = F::has_min ? *reinterpret_cast<const float2*>(xs + xt + at)
+            const float2 d = *reinterpret_cast<const float2*>(xdt + at);
+            const float2 m = F::has_min ? *reinterpret_cast<const float2*>(xst + at)
                                         : make_float2(0.f, 0.f);
-            int c_lo[4] = {0, 0, 0, 0}, c_hi[4] = {0, 0, 0, 0};
+            int c_lo[4], c_hi[4];
             if (F::split) {
-                mma_k16(c_lo, lo[0], lo[1], b.x);
-                mma_k16(c_hi, hi[0], hi[1], b.y);
+                mma_k16(c_lo, lo[0], lo[1], b.x, SUM_BIAS);
+                mma_k16(c_hi, hi[0], hi[1], b.y, SUM_BIAS);
             } else {
-                mma_k32(c_lo, lo[0], lo[1], hi[0], hi[1], b.x, b.y);
+                mma_k32(c_lo, lo[0], lo[1], hi[0], hi[1], b.x, b.y, SUM_BIAS);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const GroupScale& gs = sc[e >> 1];
-                const float p = F::split ? gs.s_lo * (float)c_lo[e] + gs.s_hi * (float)c_hi[e]
-                                         : gs.s_lo * (float)c_lo[e];
+                const float p = F::split
+                                    ? gs.s_lo * biased_sum(c_lo[e]) + gs.s_hi * biased_sum(c_hi[e])
+                                    : gs.s_lo * biased_sum(c_lo[e]);
                 acc[f][e] += (e & 1 ? d.y : d.x) * p;
                 if (F::has_min) acc[f][e] += gs.m * (e & 1 ? m.y : m.x);
             }
@@ -399,39 +422,42 @@ __device__ __forceinline__ void mma_store(const float (&acc)[2][4], float* y, in
         }
 }
 
+// Dynamic shared memory: max(W * stages * ChunkTile<F>::BYTES, W * 1 KB) (the partial sums).
 template <class F, int W>
 __global__ void __launch_bounds__(W * 32, MMA_SM_WARPS / W)
     matmul_mma(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
                const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
-               int accumulate) {
+               int accumulate, int stages) {
     pdl_trigger();
     const Planes P = PLANES;
     using T = ChunkTile<F>;
     constexpr int U = T::U;
-    constexpr int TILES = W * T::BYTES, SUMS = W * 8 * 32 * 4;
-    __shared__ __align__(16) unsigned char smem[TILES > SUMS ? TILES : SUMS];
-    const int G = K >> 5, chunks = G / U, n8 = (n_tok + 7) & ~7;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int G = K >> 5, chunks = G / U;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row_base = blockIdx.x * 16, tok_base = blockIdx.y * MMA_TOKENS;
-    // one fragment of tokens left (n8 - tok_base == 8): the second reads the first again
-    const int frag = n8 - tok_base >= 16 ? 8 : 0;
-    unsigned char* tile = smem + warp * T::BYTES;
-    auto issue = [&](int i) {  // the warp's i-th chunk into its tile
-        const int chunk = warp + i * W;
-        if (chunk < chunks) T::issue(P, lane, row_base, N, G, chunk * U, tile);
+    // the warp's chunks are warp, warp + W, ...; the k-th lands in tile k % stages of its ring
+    unsigned char* const ring = smem + warp * stages * T::BYTES;
+    unsigned char* const ring_end = ring + stages * T::BYTES;
+    int next = warp;  // the next chunk to copy
+    auto issue = [&](unsigned char* tile) {  // a copy group, even if no chunk is left
+        if (next < chunks) T::issue(P, lane, row_base, G, next * U, tile);
         cp_async_commit();
+        next += W;
     };
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    issue(0);
+    for (int s = 0; s < stages; ++s) issue(ring + s * T::BYTES);
     pdl_wait();  // the first weights are on their way: now the activations may be read
-    for (int i = 0; warp + i * W < chunks; ++i) {
-        cp_async_wait<0>();  // chunk i has landed (this lane's copies)
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    unsigned char* tile = ring;
+    for (int chunk = warp; chunk < chunks; chunk += W) {
+        cp_async_wait_dyn(stages - 1);  // this chunk has landed (this lane's copies)
         __syncwarp();  // ... and every lane's
-        const int c0 = (warp + i * W) * U;
-        const long long x0 = (long long)c0 * n8 + tok_base;
-        mma_chunk<F>(tile, row_base, N, G, c0, xq, xd, xs, x0, n8, frag, acc);
-        __syncwarp();  // the tile is read: the next chunk may come in
-        issue(i + 1);
+        const int c0 = chunk * U;
+        const long long x0 = ((long long)blockIdx.y * G + c0) * 16;
+        mma_chunk<F>(tile, row_base, G, c0, xq, xd, xs, x0, acc);
+        __syncwarp();  // the tile is read: the chunk `stages` on may take its place
+        issue(tile);
+        tile = tile + T::BYTES == ring_end ? ring : tile + T::BYTES;
     }
     cp_async_wait<0>();
     __syncthreads();  // every tile is read: the space holds the partial sums now

@@ -174,7 +174,7 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* tickets,
                               float* out, int qh, int hd, int splits, int active, int* last,
                               float* scratch, int h, signed char* xq, float* xd, float* xs,
-                              int group_major) {
+                              int tiled) {
     __shared__ float weight[ATTN_MAX_SPLITS];
     __threadfence();  // this block's partial results are visible before its ticket is
     __syncthreads();
@@ -197,8 +197,8 @@ __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* t
         const float v = o / l;
         out[(long long)qh * hd + d] = v;
         if (xq)  // whole warps (hd: a multiple of 32), each a group of 32 of the query's row
-            quantize_q8_32(v, act_group(qh / h, (qh % h) * hd + d, gridDim.z, h * hd, group_major),
-                           group_major, xq, xd, xs);
+            quantize_q8_32(v, act_group(qh / h, (qh % h) * hd + d, h * hd, tiled),
+                           tiled, xq, xd, xs);
     }
     if (threadIdx.x == 0) tickets[qh] = 0;
 }
@@ -213,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                float2* __restrict__ part_ml, int* __restrict__ tickets,
                float* __restrict__ out, int h, int hk, int hd, int splits, float scale,
                signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
-               int group_major) {
+               int tiled) {
     pdl_start();
     constexpr int WARPS = ATTN_THREADS / 32;
     __shared__ float warp_ml[WARPS][2];  // each warp's running max and sum
@@ -327,6 +327,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
         part_ml[part] = make_float2(big, total);
     }
     merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, active, &last,
-                  scratch, h, xq, xd, xs, group_major);
+                  scratch, h, xq, xd, xs, tiled);
 }
 

@@ -24,6 +24,9 @@ KERNEL_FORMATS = {
     "Q6_K": "FmtQ6_K",
 }
 FLOAT_FORMATS = {"F16": cp.float16, "F32": cp.float32}
+# rows past a matrix's last that the tensor-core kernel may read (it copies blocks of 16 rows
+# without a bound check; the results of those rows are never stored)
+ROW_SLACK = 15
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
@@ -108,15 +111,24 @@ def _k_quant(blocks, qtype: str, n_out: int):
     return planes
 
 
+def with_slack(plane):
+    """plane [n_out, ...] copied into memory ROW_SLACK rows longer (left unset); a view of
+    its first n_out rows."""
+    room = cp.empty((plane.shape[0] + ROW_SLACK, *plane.shape[1:]), plane.dtype)
+    room[: plane.shape[0]] = plane
+    return room[: plane.shape[0]]
+
+
 def repack(raw, qtype: str, n_out: int, n_in: int) -> list:
-    """Raw GGUF rows (host or device uint8 [n_out, row_bytes]) -> device planes."""
+    """Raw GGUF rows (host or device uint8 [n_out, row_bytes]) -> device planes (with slack,
+    for quantized formats)."""
     raw = cp.asarray(raw).reshape(n_out, -1)
     if qtype in FLOAT_FORMATS:
         return [raw.view(FLOAT_FORMATS[qtype]).reshape(n_out, n_in)]
     if qtype in BLOCK_BYTES:
         blocks = raw.reshape(n_out, n_in // 32, BLOCK_BYTES[qtype])
-        return _block32(blocks, qtype, n_out)
+        return [with_slack(p) for p in _block32(blocks, qtype, n_out)]
     if qtype in SUPER_BYTES:
         blocks = raw.reshape(n_out, n_in // 256, SUPER_BYTES[qtype])
-        return _k_quant(blocks, qtype, n_out)
+        return [with_slack(p) for p in _k_quant(blocks, qtype, n_out)]
     raise FastrunError(f"the CUDA backend has no matmul for {qtype} weights")
