@@ -33,19 +33,19 @@ MATVEC_ROWS = 8 * MATVEC_TUNING[0]  # weight rows per matvec block: 8 warps (mat
 # up to this many tokens: the dp4a matvec; from one more, the int8 tensor-core kernel
 MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
 DENSE_ROWS = 128  # from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
-# warps an SM must hold of the tensor-core kernel (caps its registers at 80); its warps copy
-# one chunk at a time (matmul.cu). H200, 7B shape, 16 sequences: 3.98 ms a step;
-# 4-warp blocks with 2 or 3 chunks in flight measured 4.32 and 4.19 ms, warps splitting rows
-# around one shared activation tile (K split across blocks) 4.93
-MMA_SM_WARPS = 24
-MMA_WARPS = tuple(
-    int(v) for v in os.environ.get("FASTRUN_MMA_WARPS", "8,12").split(",")
-)  # warps of a block (they split K): more where the blocks are few
+# The tensor-core kernel (matmul.cu): MMA_SM_WARPS, the warps an SM must hold (caps its
+# registers: 80 at 24), in blocks of MMA_WARPS warps (they split K; the wider kind where every
+# block is resident at once, _mma_warps), each streaming its chunks through a ring of tiles
+# in MMA_SM_SHARED bytes of shared memory an SM (the rest stays L1 for the activations).
+# H200, 7B shape, 16 sequences, graph replay a step: "4,12" 3.83 ms, "8,12" 3.88; 16 warps
+# an SM ("4,8", "8,16") 3.94-3.99, 32 ("8,16") 4.01; one tile a warp instead of two 3.93;
+# earlier designs: activation chunks staged in shared memory beside the weights 4.02, warps
+# splitting rows around one shared activation tile (K split across blocks) 4.93
+MMA_SM_WARPS = int(os.environ.get("FASTRUN_MMA_SM_WARPS", "24"))
+MMA_WARPS = tuple(int(v) for v in os.environ.get("FASTRUN_MMA_WARPS", "4,12").split(","))
+MMA_SM_SHARED = int(os.environ.get("FASTRUN_MMA_SHARED", str(160 * 1024)))
 MMA_CHUNK = 128  # bytes of a row's plane 0 per chunk (matmul.cu)
 MMA_MAX_STAGES = 4  # tiles in a warp's copy ring at most (matmul.cu)
-# shared memory an SM may give the rings of its MMA_SM_WARPS warps (the rest stays L1 for the
-# activations)
-MMA_SM_SHARED = int(os.environ.get("FASTRUN_MMA_SHARED", str(160 * 1024)))
 MMA_TOKENS = 16  # tokens per tensor-core block
 MMA_ROW_GROUPS = 8  # the tensor-core kernel takes rows of whole 8-group chunks (matmul.cu)
 ATTN_MIN_SHARE = 64  # the fewest cache positions worth an attention split of their own
