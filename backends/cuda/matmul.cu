@@ -34,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(256)
                   double eps, const float* __restrict__ up, int up_stride, int K, int mode,
                   int tiled, signed char* __restrict__ xq, float* __restrict__ xd,
                   float* __restrict__ xs) {
-    pdl_start();
+    pdl_trigger();
     __shared__ double s_sum[8];
     __shared__ float s_red[8];
     __shared__ int s_idx[8];
@@ -43,6 +43,8 @@ extern "C" __global__ void __launch_bounds__(256)
     const long long row = blockIdx.y;
     const int e = blockIdx.x * 256 + tid;
     const float* xr = x + row * x_stride;
+    const float weight = norm && e < K ? norm[e] : 0.f;  // a weight: read before the wait
+    pdl_wait();
     float v = e < K ? xr[e] : 0.f;
     if (norm) {  // the sum of squares in double, scale rounded once: as the CPU backend
         double ss = 0.0;
@@ -52,7 +54,7 @@ extern "C" __global__ void __launch_bounds__(256)
         __syncthreads();
         double total = 0.0;
         for (int w = 0; w < 8; ++w) total += s_sum[w];
-        if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * norm[e];
+        if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * weight;
     }
     if (up && e < K) v = silu(v) * up[row * up_stride + e];
     const long long gid = act_group(row, e, K, tiled);

@@ -95,48 +95,48 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
                                    int n_dims, float freq_scale, int neox) {
     pdl_start();
     const int tok = blockIdx.x, j = blockIdx.y, half = n_dims >> 1, p = pos[tok];
-    const long long slot = (long long)slots[tok] * hk * hd;
     // element r of head j (q heads, then k heads): rotated pairs first, then the dims past
     // n_dims unrotated
     const int per_head = half + (hd - n_dims);
     const bool is_q = j < h;
+    const int off = (is_q ? j : j - h) * hd;  // the head's first element in its row
+    const float* src = (is_q ? q + (long long)tok * q_stride : k + (long long)tok * kv_stride) + off;
+    const float* bias = is_q ? bq : bk;
+    if (bias) bias += off;
+    float* q_dst = q_out + (long long)tok * h * hd + off;
+    const long long row = (long long)slots[tok] * hk * hd;  // the token's cache row
+    __half* k_dst = kc + row + off;
     for (int r = threadIdx.x; r < per_head; r += blockDim.x) {
-        const int head = is_q ? j : j - h;
-        const float* src = is_q ? q + (long long)tok * q_stride + head * hd
-                                : k + (long long)tok * kv_stride + head * hd;
-        const float* bias = is_q ? bq : bk;
-        const int off = head * hd;
+        int ia, ib;  // a rotated pair, or (r past the pairs) one unrotated element twice
         if (r < half) {
-            int ia, ib;
             rope_pair(r, half, neox, ia, ib);
-            float a = src[ia], b = src[ib];
-            if (bias) {
-                a = a + bias[off + ia];
-                b = b + bias[off + ib];
-            }
+        } else {
+            ia = ib = n_dims + (r - half);
+        }
+        float a = src[ia], b = src[ib];
+        if (bias) {
+            a += bias[ia];
+            b += bias[ib];
+        }
+        if (r < half) {
             float s, c;
             sincosf(rope_theta(p, r, powers, factors, freq_scale), &s, &c);
             const float ra = a * c - b * s, rb = a * s + b * c;
-            if (is_q) {
-                q_out[(long long)tok * h * hd + off + ia] = ra;
-                q_out[(long long)tok * h * hd + off + ib] = rb;
-            } else {
-                kc[slot + off + ia] = __float2half_rn(ra);
-                kc[slot + off + ib] = __float2half_rn(rb);
-            }
+            a = ra;
+            b = rb;
+        }
+        if (is_q) {
+            q_dst[ia] = a;
+            q_dst[ib] = b;
         } else {
-            const int e = n_dims + (r - half);
-            const float a = bias ? src[e] + bias[off + e] : src[e];
-            if (is_q)
-                q_out[(long long)tok * h * hd + off + e] = a;
-            else
-                kc[slot + off + e] = __float2half_rn(a);
+            k_dst[ia] = __float2half_rn(a);
+            k_dst[ib] = __float2half_rn(b);
         }
     }
     if (is_q) return;
-    for (int e = (j - h) * hd + threadIdx.x; e < (j - h + 1) * hd; e += blockDim.x)
-        vc[slot + e] = __float2half_rn(bv ? v[(long long)tok * kv_stride + e] + bv[e]
-                                          : v[(long long)tok * kv_stride + e]);
+    const float* v_src = v + (long long)tok * kv_stride + off;
+    for (int e = threadIdx.x; e < hd; e += blockDim.x)
+        vc[row + off + e] = __float2half_rn(bv ? v_src[e] + bv[off + e] : v_src[e]);
 }
 
 // silu(gate) * up, element-wise.
