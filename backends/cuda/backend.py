@@ -120,15 +120,13 @@ def _tensor_cores(n: int, n_in: int) -> bool:
 
 def _mma_ring(w: CUDAWeight, warps: int) -> tuple[int, int]:
     """(stages, dynamic shared bytes) of the tensor-core kernel for w: as many tiles a warp as
-    it has chunks, within MMA_SM_SHARED for an SM's warps and MMA_MAX_STAGES."""
+    it has chunks, within MMA_SM_SHARED for an SM's warps and MMA_MAX_STAGES (one at least)."""
     groups = w.n_in // 32
     per_chunk = MMA_CHUNK * groups // (w.planes[0].nbytes // w.n_out)  # groups in a chunk
     tile = 0  # ChunkTile<F>::BYTES: 16 rows of each plane's part of a chunk
     for plane in w.planes:
-        row = plane.nbytes // w.n_out
-        tile += (
-            64 if row < groups else 16 * row // groups * per_chunk
-        )  # a super-block value: a word
+        row = plane.nbytes // w.n_out  # bytes; a per-super-block plane's value: a word a row
+        tile += 64 if row < groups else 16 * row // groups * per_chunk
     tile = (tile + 15) // 16 * 16
     chunks_per_warp = -(-(groups // per_chunk) // warps)
     fit = MMA_SM_SHARED // (MMA_SM_WARPS * tile)

@@ -15,10 +15,9 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + (float)exp(-(
 
 // Integer dot products start from SUM_BIAS, the bits of the float 1.5 * 2^23: a sum c
 // (|c| < 2^22) then reads as the float 1.5 * 2^23 + c exactly, and one FADD turns it into c
-// as a float; the int-to-float conversion it replaces runs at an eighth of the FADD rate.
+// as a float instead of an int-to-float conversion (16 results a clock per SM, not 128).
 #define SUM_BIAS 0x4B400000
 __device__ __forceinline__ float biased_sum(int c) { return __int_as_float(c) - 12582912.f; }
-
 
 // xq int8 [n, K], xd float [n, K/32] (the scale; for Q8_K the super-block's, repeated), xs
 // float [n, K/32] (Q8_1's s, or xd * sum(xq) for Q8_K), per group gid = token * G + g, or
@@ -218,8 +217,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 // and reads the mma fragments from there (a lane's own fragment words, read from global
 // memory, would touch eight rows per load); the activation comes from global memory (L1),
 // tiled (xq [n16 / 16][G][16][32], xd and xs [n16 / 16][G][16], quantize.cuh), so a block's
-// fragments lie at fixed distances from one base address. The warps' partial sums meet in shared memory at the end. Rows must
-// hold whole chunks (K % 256 == 0), so that every copy is aligned.
+// fragments lie at fixed distances from one base address. The warps' partial sums meet in
+// shared memory at the end. Rows must hold whole chunks (K % 256 == 0), so that every copy
+// is aligned; a block's rows past the matrix's last come from the planes' slack (weights.py).
 //
 // The chunk's code is one straight block (no branch on the tokens present, addresses from a
 // few per-lane bases), which lets the compiler overlap the groups' mma latencies: this more
