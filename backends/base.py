@@ -144,15 +144,12 @@ class Backend(ABC):
         first on ties: (ids int32 [n, k], values float32 [n, k]) on the backend. A decode step
         returns these instead of whole rows where the sampler needs no more."""
         x = np.asarray(self.to_host(logits), np.float32)
-        if k == 1:  # the first of the largest: the lowest id (argmax stops at a NaN, if any)
-            ids = np.argmax(x, axis=1).astype(np.int32)[:, None]
-            best = np.take_along_axis(x, ids, axis=1)
-            if not np.isnan(best).any():  # no copy of the row on the per-token path
+        if k == 1:  # argmax stops at a NaN, if any: only then is the row copied without them
+            ids, best = _first_max(x)
+            if not np.isnan(best).any():
                 return ids, best
+            return _first_max(np.where(np.isnan(x), -np.inf, x))
         x = np.where(np.isnan(x), -np.inf, x)
-        if k == 1:
-            ids = np.argmax(x, axis=1).astype(np.int32)[:, None]
-            return ids, np.take_along_axis(x, ids, axis=1)
         ids = np.empty((len(x), k), np.int32)
         for r, row in enumerate(x):
             least = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
@@ -160,3 +157,9 @@ class Backend(ABC):
             chosen = np.concatenate([above, np.flatnonzero(row == least)[: k - len(above)]])
             ids[r] = chosen[np.lexsort((chosen, -row[chosen]))]
         return ids, np.take_along_axis(x, ids, axis=1)
+
+
+def _first_max(x: np.ndarray) -> tuple:
+    """Each row's largest value and its lowest id: (ids int32 [n, 1], values [n, 1])."""
+    ids = np.argmax(x, axis=1).astype(np.int32)[:, None]
+    return ids, np.take_along_axis(x, ids, axis=1)

@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 // than the memory layout decides the speed (7B products at 16 tokens 1.2 -> 1.5 TB/s).
 
 #ifndef MMA_SM_WARPS
-#define MMA_SM_WARPS 24  // warps an SM must hold: caps the registers (blocks of 8 or 12 warps)
+#define MMA_SM_WARPS 24  // warps an SM must hold: caps the registers (backend.py)
 #endif
 #define MMA_CHUNK 128  // bytes of a row's plane 0 per chunk: 8 groups of 4-bit weights
 #define MMA_TOKENS 16  // two 8-token fragments
