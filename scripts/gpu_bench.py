@@ -5,9 +5,10 @@ device's copy bandwidth and a PyTorch fp16 peer measured in the same run.
     python scripts/gpu_bench.py                      # every shape, Q4_0 and Q4_K
     python scripts/gpu_bench.py --shapes llama2-7b --types Q4_0 --json out.json
 
-Per model: prefill (pp512) and decode (tg128 after a 512-token prompt) at batch 1 and batch
-16 (16 sequences decoded together), tok/s, and the weight bytes streamed per decode step as a
-share of the measured device-to-device copy bandwidth.
+Per model: prefill (pp512) and decode (tg128 after --depth cached tokens, 512 unless told;
+llama-bench's own tg128 starts from an empty cache, --depth 0) at batch 1 and batch 16 (16
+sequences decoded together), tok/s, and the weight bytes streamed per decode step as a share
+of the measured device-to-device copy bandwidth.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def timed(fn, repeat: int = 3) -> float:
     return float(np.median(times))
 
 
-def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int) -> dict:
+def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int, depth: int) -> dict:
     from fastrun.backends import get_backend
     from fastrun.formats.gguf import GGUFFile
     from fastrun.runner.models import model_class
@@ -73,6 +74,7 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int) -> dict:
     model = model_class(f.architecture)(f, get_backend("cuda"))
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, 256, n_prompt)]
+    context = [int(t) for t in rng.integers(0, 256, depth)]  # cached before decoding
     weight_bytes = (
         sum(
             w.nbytes
@@ -102,17 +104,19 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int) -> dict:
         for _ in range(steps):
             token = int(model.forward([token], cache, top_k=1)[0][-1, 0])
 
-    cache = model.new_cache(n_prompt + n_gen + 8)
-    model.forward(prompt, cache)
+    cache = model.new_cache(depth + n_gen + 8)
+    if context:
+        model.forward(context, cache)
     decode(cache, 2)  # capture the graph
     length = cache.length
     cache.trim(length)
     tg = n_gen / timed(lambda: (cache.trim(length), decode(cache, n_gen)))
     out = {"pp": pp, "tg": tg, "weight_bytes": weight_bytes}
     if batch > 1:
-        batch_cache = model.new_batch_cache(batch, n_prompt + n_gen + 8)
+        batch_cache = model.new_batch_cache(batch, depth + n_gen + 8)
         for s in range(batch):
-            model.forward(prompt, batch_cache.sequence(s))
+            if context:
+                model.forward(context, batch_cache.sequence(s))
         length = batch_cache.sequence(0).length
         tokens = [1] * batch
 
@@ -133,7 +137,7 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int) -> dict:
     return out
 
 
-def bench_torch(shape: str, n_prompt: int, n_gen: int) -> dict:
+def bench_torch(shape: str, n_prompt: int, n_gen: int, depth: int) -> dict:
     """The same shape in fp16 PyTorch: one decode step as plain tensor ops (SDPA attention),
     replayed through a CUDA graph; prefill as one batched pass."""
     import torch
@@ -154,7 +158,7 @@ def bench_torch(shape: str, n_prompt: int, n_gen: int) -> dict:
         for _ in range(n_layer)
     ]
     out_w = rand(vocab, d)
-    n_ctx = n_prompt + n_gen + 8
+    n_ctx = max(n_prompt, depth) + n_gen + 8
     kc = [torch.zeros(1, hk, n_ctx, hd, device=dev, dtype=dt) for _ in range(n_layer)]
     vc = [torch.zeros(1, hk, n_ctx, hd, device=dev, dtype=dt) for _ in range(n_layer)]
 
@@ -181,15 +185,15 @@ def bench_torch(shape: str, n_prompt: int, n_gen: int) -> dict:
             forward(x, 0, n_prompt)
         torch.cuda.synchronize()
         pp = 3 * n_prompt / (time.perf_counter() - t0)
-        # decode at a fixed cache length (n_prompt), through a graph
+        # decode at a fixed cache length (depth), through a graph
         x1 = rand(1, d)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            forward(x1, n_prompt, 1)
+            forward(x1, depth, 1)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            forward(x1, n_prompt, 1)
+            forward(x1, depth, 1)
         graph.replay()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -207,6 +211,7 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K"])
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-d", "--depth", type=int, default=512, help="tokens cached before decode")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", type=Path)
@@ -230,22 +235,26 @@ def main() -> None:
                     path, arch, qtype, d, ff, n_layer, h, hk, vocab, 4096, tied=False, fast=True
                 )
                 made = time.perf_counter() - t0
-                r = bench_fastrun(path, args.n_prompt, args.n_gen, args.batch)
+                r = bench_fastrun(path, args.n_prompt, args.n_gen, args.batch, args.depth)
                 path.unlink()
-                r.update(shape=shape, type=qtype, peer="fastrun", write_s=made)
+                r.update(shape=shape, type=qtype, peer="fastrun", write_s=made, depth=args.depth)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             if not args.no_torch:
-                r = bench_torch(shape, args.n_prompt, args.n_gen)
+                r = bench_torch(shape, args.n_prompt, args.n_gen, args.depth)
                 r.update(shape=shape, type="F16", peer="torch")
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     print()
-    print("| shape | weights | peer | pp512 tok/s | tg128 tok/s | % of copy bw | batch tok/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    pp, tg = f"pp{args.n_prompt} tok/s", f"tg{args.n_gen} at depth {args.depth} tok/s"
+    bt = f"batch {args.batch} tok/s"
+    print(f"| shape | weights | peer | {pp} | {tg} | % of copy bw | {bt} | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         share = r["weight_bytes"] * r["tg"] / copy * 100
-        batch = f"{r['tg_batch']:.0f}" if "tg_batch" in r else "-"
+        batch = "- | -"
+        if "tg_batch" in r:
+            batch = f"{r['tg_batch']:.0f} | {r['tg_batch'] / r['tg']:.2f}x"
         print(
             f"| {r['shape']} | {r['type']} | {r['peer']} | {r['pp']:.0f} | {r['tg']:.0f} | "
             f"{share:.0f} % | {batch} |"

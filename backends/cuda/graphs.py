@@ -1,10 +1,12 @@
 """One decode step captured as a CUDA graph and replayed for every later token.
 
 The step's inputs (token ids and positions) live in a device buffer that each replay
-overwrites first, so the graph stays valid as the sequence grows; attention kernels size
-their grids for the whole cache and read the lengths from that buffer. Everything the step
-allocates comes from a private memory pool that lives as long as the graph, so no other
-array can ever be handed the graph's scratch memory.
+overwrites first, so the graph stays valid as the sequence grows: the upload from pinned
+memory is the graph's first node and the downloads of its results its last, so a step is one
+launch and one wait. Attention kernels size their grids for the whole cache and read the
+lengths from that buffer. Everything the step allocates comes from a private memory pool
+that lives as long as the graph, so no other array can ever be handed the graph's scratch
+memory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ def host_result(a: np.ndarray, copy: bool = False) -> np.ndarray:
     if a.dtype.kind == "f":
         return a.astype(np.float32, copy=copy)
     return a.copy() if copy else a
+
+
+def _pinned_like(a: cp.ndarray) -> np.ndarray:
+    """A host array of a's shape and type in pinned memory (which graph copies may target)."""
+    pinned = cp.cuda.alloc_pinned_memory(a.nbytes)
+    return np.frombuffer(pinned, a.dtype, a.size).reshape(a.shape)
 
 
 class StepGraph:
@@ -44,14 +52,24 @@ class StepGraph:
 
     def __call__(self, *vectors):
         self.staged[...] = vectors
-        self.inputs.data.copy_from_host_async(self.host.ptr, self.inputs.nbytes, self.stream)
         if self.graph is None:
             return self._capture()
         self.graph.launch(self.stream)
-        for device, host in zip(self.outs, self.out_host, strict=True):
-            device.data.copy_to_host_async(host.ctypes.data, host.nbytes, self.stream)
         self.stream.synchronize()
         return self._result([host_result(h, copy=True) for h in self.out_host])
+
+    # through the runtime: CuPy's own copy methods refuse a capturing stream, while the
+    # runtime records a copy from or to pinned memory as a node of the graph
+    def _upload(self):
+        rt = cp.cuda.runtime
+        size, kind = self.inputs.nbytes, rt.memcpyHostToDevice
+        rt.memcpyAsync(self.inputs.data.ptr, self.host.ptr, size, kind, self.stream.ptr)
+
+    def _download(self):
+        rt = cp.cuda.runtime
+        for device, host in zip(self.outs, self.out_host, strict=True):
+            size, kind = host.nbytes, rt.memcpyDeviceToHost
+            rt.memcpyAsync(host.ctypes.data, device.data.ptr, size, kind, self.stream.ptr)
 
     def _result(self, arrays: list):
         return tuple(arrays) if self.many else arrays[0]
@@ -61,17 +79,18 @@ class StepGraph:
         with self.stream, cp.cuda.using_allocator(self.pool.malloc):
             # an eager run gives this step's result and fills the pool with every buffer
             # size the step needs, so the capture below allocates nothing new
+            self._upload()
             eager = self.step(*inputs)
             self.many = isinstance(eager, tuple)
             eager = eager if self.many else (eager,)
             result = self._result([host_result(cp.asnumpy(a, stream=self.stream)) for a in eager])
+            self.out_host = [_pinned_like(a) for a in eager]  # the graph downloads into these
             self.stream.begin_capture(_RELAXED)
+            self._upload()
             out = self.step(*inputs)
+            self.outs = out if self.many else (out,)
+            for device in self.outs:
+                assert device.flags.c_contiguous  # the kernels write whole rows
+            self._download()
             self.graph = self.stream.end_capture()
-        self.outs = out if self.many else (out,)
-        for device in self.outs:
-            assert device.flags.c_contiguous  # the kernels write whole rows
-            pinned = cp.cuda.alloc_pinned_memory(device.nbytes)
-            host = np.frombuffer(pinned, device.dtype, device.size)
-            self.out_host.append(host.reshape(device.shape))
         return result
