@@ -39,8 +39,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     shapes = [(3 * d, d), (d, d), (2 * ff, d), (d, ff)]  # qkv, o, gate+up, down: (n_out, n_in)
     for qtype in args.types:
-        block, nbytes = (256, SUPER_BYTES[qtype]) if qtype in SUPER_BYTES else (32, 0)
-        nbytes = nbytes or BLOCK_BYTES[qtype]
+        if qtype in SUPER_BYTES:
+            block, nbytes = 256, SUPER_BYTES[qtype]
+        else:
+            block, nbytes = 32, BLOCK_BYTES[qtype]
         weights = []
         for _ in range(LAYERS):
             for n_out, n_in in shapes:

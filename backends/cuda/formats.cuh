@@ -50,6 +50,12 @@ __device__ __forceinline__ int minus_bytes(u32 q, u32 bias) {
     return (int)((q + (0x80u - bias) * 0x01010101u) ^ 0x80808080u);
 }
 
+// Entry k (1 to 5) of a format's bytes per group of planes 1..5; 0 past its last plane.
+__host__ __device__ constexpr int plane_entry(int k, int b1, int b2 = 0, int b3 = 0, int b4 = 0,
+                                              int b5 = 0) {
+    return k == 1 ? b1 : k == 2 ? b2 : k == 3 ? b3 : k == 4 ? b4 : k == 5 ? b5 : 0;
+}
+
 struct GroupScale {
     float s_lo, s_hi, m;
 };
@@ -66,7 +72,7 @@ struct GroupScale {
 // split: s_lo != s_hi (the tensor-core path then runs the two halves apart)
 struct FmtQ4_0 {  // planes: qs, d
     static constexpr int act_k = 0, qbytes = 16;
-    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : 0; }
+    __host__ __device__ static constexpr int plane_bytes(int k) { return plane_entry(k, 2); }
     static constexpr bool has_min = false, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
@@ -81,7 +87,7 @@ struct FmtQ4_0 {  // planes: qs, d
 
 struct FmtQ4_1 {  // planes: qs, d, m
     static constexpr int act_k = 0, qbytes = 16;
-    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : k == 2 ? 2 : 0; }
+    __host__ __device__ static constexpr int plane_bytes(int k) { return plane_entry(k, 2, 2); }
     static constexpr bool has_min = true, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
@@ -96,7 +102,7 @@ struct FmtQ4_1 {  // planes: qs, d, m
 
 struct FmtQ5_0 {  // planes: qs, d, qh
     static constexpr int act_k = 0, qbytes = 16;
-    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : k == 2 ? 4 : 0; }
+    __host__ __device__ static constexpr int plane_bytes(int k) { return plane_entry(k, 2, 4); }
     static constexpr bool has_min = false, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {
         e0 = reinterpret_cast<const u32*>(P.p[2])[rg];
@@ -112,7 +118,7 @@ struct FmtQ5_0 {  // planes: qs, d, qh
 
 struct FmtQ5_1 {  // planes: qs, d, m, qh
     static constexpr int act_k = 0, qbytes = 16;
-    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : k == 2 ? 2 : k == 3 ? 4 : 0; }
+    __host__ __device__ static constexpr int plane_bytes(int k) { return plane_entry(k, 2, 2, 4); }
     static constexpr bool has_min = true, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {
         e0 = reinterpret_cast<const u32*>(P.p[3])[rg];
@@ -128,7 +134,7 @@ struct FmtQ5_1 {  // planes: qs, d, m, qh
 
 struct FmtQ8_0 {  // planes: q8, d
     static constexpr int act_k = 0, qbytes = 32;
-    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : 0; }
+    __host__ __device__ static constexpr int plane_bytes(int k) { return plane_entry(k, 2); }
     static constexpr bool has_min = false, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
@@ -144,7 +150,9 @@ struct FmtQ8_0 {  // planes: q8, d
 
 struct FmtQ4_K {  // planes: qs, sc, mn, D, DM
     static constexpr int act_k = 1, qbytes = 16;
-    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 1 : k == 2 ? 1 : k == 3 ? -2 : k == 4 ? -2 : 0; }
+    __host__ __device__ static constexpr int plane_bytes(int k) {
+        return plane_entry(k, 1, 1, -2, -2);
+    }
     static constexpr bool has_min = true, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {}
     __device__ static void decode(u32 wa, u32 wb, u32 e0, u32 e1, int t, int& lo, int& hi) {
@@ -158,7 +166,9 @@ struct FmtQ4_K {  // planes: qs, sc, mn, D, DM
 
 struct FmtQ5_K {  // planes: qs, sc, mn, D, DM, qh
     static constexpr int act_k = 1, qbytes = 16;
-    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 1 : k == 2 ? 1 : k == 3 ? -2 : k == 4 ? -2 : k == 5 ? 4 : 0; }
+    __host__ __device__ static constexpr int plane_bytes(int k) {
+        return plane_entry(k, 1, 1, -2, -2, 4);
+    }
     static constexpr bool has_min = true, split = false;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {
         e0 = reinterpret_cast<const u32*>(P.p[5])[rg];
@@ -173,7 +183,7 @@ struct FmtQ5_K {  // planes: qs, sc, mn, D, DM, qh
 
 struct FmtQ6_K {  // planes: qs, sc (i8 [G][2], per 16 weights), D, qh2
     static constexpr int act_k = 1, qbytes = 16;
-    __host__ __device__ static constexpr int plane_bytes(int k) { return k == 1 ? 2 : k == 2 ? -2 : k == 3 ? 8 : 0; }
+    __host__ __device__ static constexpr int plane_bytes(int k) { return plane_entry(k, 2, -2, 8); }
     static constexpr bool has_min = false, split = true;
     __device__ static void extra(const Planes& P, long long rg, u32& e0, u32& e1) {
         uint2 h = reinterpret_cast<const uint2*>(P.p[3])[rg];

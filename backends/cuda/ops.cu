@@ -100,7 +100,8 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
     const int per_head = half + (hd - n_dims);
     const bool is_q = j < h;
     const int off = (is_q ? j : j - h) * hd;  // the head's first element in its row
-    const float* src = (is_q ? q + (long long)tok * q_stride : k + (long long)tok * kv_stride) + off;
+    const float* x_row = is_q ? q + (long long)tok * q_stride : k + (long long)tok * kv_stride;
+    const float* src = x_row + off;
     const float* bias = is_q ? bq : bk;
     if (bias) bias += off;
     float* q_dst = q_out + (long long)tok * h * hd + off;
@@ -163,12 +164,11 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 // ---- attention over the fp16 KV cache: split over the cache length, then combined ---------
 // Block (head, split, query) covers an equal share of the query's positions 0..pos (of the
 // sequence that starts at cache row starts[query]) in rounds of ATTN_DEPTH positions per lane
-// group, with an online softmax; it writes its unnormalised output o [hd], running max m and sum l, and the
-// last split block to finish merges them (flash-decoding). hd: a multiple of 8, at most 256.
-// The last of a (query, head)'s split blocks to finish merges all splits into out [n, h * hd]
-// (and, given xq, its Q8_0/Q8_1 quantization for the output projection, as quantize_rows
-// would write it) and resets the ticket, so the counters are all zero again for the next
-// launch (or replay).
+// group, with an online softmax, and writes its unnormalised output o [hd], running max m and
+// sum l. hd: a multiple of 8, at most 256. The last of a (query, head)'s split blocks to
+// finish merges all splits (flash-decoding) into out [n, h * hd] (and, given xq, its
+// Q8_0/Q8_1 quantization for the output projection, as quantize_rows would write it) and
+// resets the ticket, so the counters are all zero again for the next launch (or replay).
 #define ATTN_MAX_SPLITS 128  // one per thread of the merge (ATTN_THREADS)
 
 __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* tickets,
