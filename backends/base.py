@@ -38,6 +38,12 @@ class Backend(ABC):
 
     name: str = "abstract"
 
+    def use_on_this_thread(self) -> None:
+        """Make the calling thread ready to run this backend's operations (settings that are
+        per thread: the CPU's thread count, CUDA's current device). The thread that owns the
+        backend (the engine's) calls it first."""
+        return None
+
     # -- data movement ----------------------------------------------------------------------
 
     @abstractmethod

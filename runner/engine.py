@@ -222,6 +222,7 @@ class Engine:
     # -- the engine's thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self.transformer.backend.use_on_this_thread()
         while True:
             with self._wake:
                 while not (self._closed or self._calls or self._cancels or self._has_work()):

@@ -154,6 +154,7 @@ class CUDABackend(Backend):
     name = "cuda"
 
     def __init__(self, device: int = 0):
+        self.device = device
         try:
             cp.cuda.Device(device).use()
         except cp.cuda.runtime.CUDARuntimeError as e:
@@ -170,6 +171,9 @@ class CUDABackend(Backend):
         # the last attention output and its 8-bit quantization (per 32), which the attention
         # kernel wrote along: the output projection takes it instead of quantizing again
         self._attn_act: tuple | None = None
+
+    def use_on_this_thread(self):
+        cp.cuda.Device(self.device).use()  # CuPy's current device is per thread
 
     # -- data movement ----------------------------------------------------------------------
 
