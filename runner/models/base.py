@@ -184,9 +184,8 @@ class Transformer:
         finish (an error, Ctrl-C) leaves the caches as they were."""
         try:
             n, outputs = batch.n, batch.outputs
-            if len(outputs) == 0:
-                self._logits(batch.ids, batch.positions, batch.starts, cells, None, 0)
-                return None
+            if len(outputs) == 0:  # an inner prefill chunk: only the cells change
+                return self._logits(batch.ids, batch.positions, batch.starts, cells, outputs, 0)
             if not (capture and batch.is_decode):
                 out = self._logits(batch.ids, batch.positions, batch.starts, cells, outputs, top_k)
                 return tuple(map(self.backend.to_host, out)) if top_k else self.backend.to_host(out)
