@@ -192,3 +192,18 @@ def test_logprobs_of_generated_tokens(tiny_model):
         assert piece.top_logprobs[0][0] == piece.id  # greedy: the best is the one taken
         assert piece.logprob == pytest.approx(piece.top_logprobs[0][1])
         assert len(piece.top_logprobs) == 3 and piece.logprob <= 0
+
+
+def test_a_pass_that_wants_no_logits_computes_none(tiny_model):
+    """Inner prefill chunks stop after the blocks: no output norm, no vocabulary product."""
+    with GGUFFile(str(tiny_model)) as f:
+        tf = model_class(f.architecture)(f, get_backend("cpu"))
+        calls = []
+        norm = tf.backend.rms_norm
+        tf.backend.rms_norm = lambda *a: calls.append(1) or norm(*a)
+        cells = tf.new_cells(2, 64)
+        batch = Batch()
+        batch.add(cells.sequences[0], [5, 6, 7], "none")
+        batch.add(cells.sequences[1], [8, 9], "none")
+        assert tf.run(batch, cells) is None and not calls
+        assert [s.length for s in cells.sequences] == [3, 2]
