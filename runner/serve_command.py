@@ -77,7 +77,10 @@ def serve(
     server = _stopping_server(uvicorn.Server, config, state)
     where = f"[{host}]" if ":" in host else host
     logging.getLogger("uvicorn.error").info(
-        "fastrun serve: %s on http://%s:%d/v1 (loading the model)", model_id, where, port
+        "fastrun serve: %s on http://%s:%d/v1 (loading the model)",
+        model_id,
+        where,
+        sock.getsockname()[1],
     )
     server.run(sockets=[sock])
     if failure:
