@@ -52,6 +52,13 @@ class SerialEngine:
         self.counts_lock = threading.Lock()
         self.active = 0
         self.queued = 0
+        # Numba's thread count is per thread: the CPU backend set it in the loading thread, and
+        # each stream's thread must do the same (the engine's one thread will, once)
+        self.cpu_threads = None
+        if model.backend.name == "cpu":
+            import numba
+
+            self.cpu_threads = numba.get_num_threads()
 
     def generate(self, prompt_or_ids, **sampling) -> SerialStream:
         sampling.pop("logprobs", None)  # only the engine computes them
@@ -100,6 +107,10 @@ class SerialStream:
                 engine.queued -= 1
                 engine.active += 1
             try:
+                if engine.cpu_threads:
+                    import numba
+
+                    numba.set_num_threads(engine.cpu_threads)
                 pieces = engine.model.generate(self.ids, **self.sampling)
                 self.completion = engine.model.last
                 for piece in pieces:

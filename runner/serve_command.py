@@ -54,6 +54,10 @@ def serve(
     from fastrun.runner.serial_engine import open_engine
     from fastrun.runner.server import ServerState, create_app
 
+    if backend == "auto":  # decided here, so that --threads reaches the CPU backend
+        from fastrun.backends.cuda import cuda_available
+
+        backend = "cuda" if cuda_available() else "cpu"
     path = resolve(model)  # a registry model is pulled (with a bar) before the server starts
     model_id = Path(path).stem if os.path.exists(model) else model
     sock = _listen(host, port)

@@ -28,6 +28,9 @@ from fastrun.runner.server import ServerState, create_app  # noqa: E402
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "smollm2-135m-instruct"
+# One CPU thread: on a busy 2-core machine OpenMP's second thread waits on the first far more
+# than it helps (8x slower decoding measured); the Python API reference uses the same.
+SPEED = ["--backend", "cpu", "--threads", "1"]
 
 
 # -- in-process, a fake engine with the engine's API ---------------------------------------------
@@ -229,7 +232,7 @@ def serve(model, *args, tmp_path):
     port = free_port()
     log = open(tmp_path / f"serve-{port}.log", "w+")
     command = [sys.executable, "-m", "fastrun.runner.cli", "serve", str(model), "--port",
-               str(port), "--api-key", KEY, "--ctx-size", "512", *args]  # fmt: skip
+               str(port), "--api-key", KEY, "--ctx-size", "512", *SPEED, *args]  # fmt: skip
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -262,7 +265,7 @@ def reference(server):
     """Greedy texts from the Python API, the same chat template and engine."""
     import fastrun
 
-    model = fastrun.load(server[1], n_ctx=512)
+    model = fastrun.load(server[1], backend="cpu", n_ctx=512, threads=1)
     cache = {}
 
     def greedy(messages=None, prompt=None, max_tokens=6):
