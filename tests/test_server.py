@@ -316,18 +316,31 @@ def test_whole_chat_and_completions_equal_the_python_api(client, reference):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == reference(prompt=prompt)
 
 
-def test_concurrent_greedy_clients_equal_their_serial_text(client, reference):
-    texts = ("What is 2+2?", "Name a color.", "Say hi.", "What is the capital of France?")
-    questions = [[{"role": "user", "content": q}] for q in texts]
+QUESTIONS = ("What is 2+2?", "Name a color.", "Say hi.", "What is the capital of France?",
+             "Count to three.", "Name a fruit.", "What is water?", "Say goodbye.")  # fmt: skip
 
+
+def concurrent_answers(client, n_clients: int):
     def ask(messages):
         stream = client.chat.completions.create(
             model=MODEL, messages=messages, temperature=0, max_tokens=6, stream=True
         )
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    with ThreadPoolExecutor(len(questions)) as pool:
-        answers = list(pool.map(ask, questions))
+    questions = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+                 for i in range(n_clients)]  # fmt: skip
+    with ThreadPoolExecutor(n_clients) as pool:
+        return questions, list(pool.map(ask, questions))
+
+
+def test_concurrent_greedy_clients_equal_their_serial_text(client, reference):
+    questions, answers = concurrent_answers(client, 4)
+    assert answers == [reference(q, max_tokens=6) for q in questions]
+
+
+@pytest.mark.slow
+def test_16_concurrent_greedy_clients_equal_their_serial_text(client, reference):
+    questions, answers = concurrent_answers(client, 16)
     assert answers == [reference(q, max_tokens=6) for q in questions]
 
 
