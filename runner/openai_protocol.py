@@ -212,23 +212,28 @@ def _prompt(body: dict) -> str | list[int]:
     raise invalid("'prompt' must be a non-empty string or a list of token ids", "prompt")
 
 
+def _request(body: dict, logprobs: int | None, **source) -> GenerationRequest:
+    """The fields both endpoints share, checked; `source`: the messages or the prompt."""
+    stream = _boolean(body, "stream")
+    return GenerationRequest(
+        chat="messages" in source,
+        sampling=_sampling(body),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        logprobs=logprobs,
+        **source,
+    )
+
+
 def parse_chat(body: dict) -> GenerationRequest:
     """A /v1/chat/completions body, checked."""
     _refuse_unsupported(body)
-    stream = _boolean(body, "stream")
     logprobs = None
     if _boolean(body, "logprobs"):
         logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     elif body.get("top_logprobs") is not None:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return GenerationRequest(
-        chat=True,
-        messages=_messages(body),
-        sampling=_sampling(body),
-        stream=stream,
-        include_usage=_stream_options(body, stream),
-        logprobs=logprobs,
-    )
+    return _request(body, logprobs, messages=_messages(body))
 
 
 def parse_completion(body: dict) -> GenerationRequest:
@@ -241,15 +246,7 @@ def parse_completion(body: dict) -> GenerationRequest:
         raise invalid("fastrun does not support 'echo'", "echo")
     if body.get("suffix"):
         raise invalid("fastrun does not support 'suffix' (fill-in-the-middle)", "suffix")
-    stream = _boolean(body, "stream")
-    return GenerationRequest(
-        chat=False,
-        prompt=_prompt(body),
-        sampling=_sampling(body),
-        stream=stream,
-        include_usage=_stream_options(body, stream),
-        logprobs=_integer(body, "logprobs", 0, MAX_TOP_LOGPROBS),
-    )
+    return _request(body, _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS), prompt=_prompt(body))
 
 
 # -- responses ---------------------------------------------------------------------------------
