@@ -269,6 +269,9 @@ def create_app(
             ids, param = engine.tokenize(request.prompt, special=True), "prompt"
         else:
             ids, param = request.prompt, "prompt"
+            n_vocab = engine.tokenizer.n_vocab
+            if max(ids) >= n_vocab:
+                raise invalid(f"token id {max(ids)} is not below the vocabulary's {n_vocab}", param)
         if len(ids) >= engine.n_ctx:
             raise invalid(
                 f"the prompt has {len(ids)} tokens; the context holds {engine.n_ctx} per "
@@ -291,7 +294,8 @@ def create_app(
         engine = state.ready_engine()
         body = await read_json(request)
         parsed = parse_chat(body) if chat else parse_completion(body)
-        stream = await anyio.to_thread.run_sync(submit, engine, parsed)
+        with anyio.CancelScope(shield=True):  # a submitted stream is always released below
+            stream = await anyio.to_thread.run_sync(submit, engine, parsed)
         if state.stopping:  # a signal came while it was submitted
             stream.close()
         generation = Generation(state, metrics, stream, arrived)

@@ -59,8 +59,13 @@ class FakeStream:
         self.closed = True
 
 
+class FakeTokenizer:
+    n_vocab = 1000
+
+
 class FakeEngine:
     n_ctx = 64
+    tokenizer = FakeTokenizer()
 
     def __init__(self):
         self.queue_full = False
@@ -180,6 +185,7 @@ def test_fake_stream_with_logprobs_and_usage(fake):
         ),  # fmt: skip
         ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": [1, 5000]}, "prompt"),  # not in the vocabulary
         ("/v1/completions", {"prompt": "x" * 100}, "prompt"),  # over the fake's 64 tokens
     ],
 )
