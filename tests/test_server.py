@@ -379,12 +379,15 @@ def test_models_health_metrics_and_a_disconnect_cancels(server, client):
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, json=body,
                       timeout=120) as r:  # fmt: skip
         first_words(r.iter_lines())
-    for _ in range(100):  # the engine frees the sequence at its next step
+    with pytest.raises(httpx.ReadTimeout):  # a whole answer's client gives up waiting
+        httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=body | {"stream": False},
+                   timeout=1.0)  # fmt: skip
+    for _ in range(100):  # the engine frees the sequences at its next step
         if metric(url, "fastrun_active_sequences") == 0:
             break
         time.sleep(0.1)
     assert metric(url, "fastrun_active_sequences") == 0
-    assert metric(url, "fastrun_cancelled_generations_total") == cancelled + 1
+    assert metric(url, "fastrun_cancelled_generations_total") == cancelled + 2
     assert metric(url, 'fastrun_requests_total{endpoint="/v1/models",status="200"}') >= 1
     assert metric(url, "fastrun_generated_tokens_total") > 0
 
