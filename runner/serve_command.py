@@ -12,7 +12,7 @@ import typer
 
 from fastrun.formats.errors import FastrunError
 from fastrun.runner.cli import app, resolve
-from fastrun.runner.commands import BackendOpt, CtxSize, Threads
+from fastrun.runner.commands import BackendOpt, CtxSize, Threads, load_model
 
 GRACEFUL_SHUTDOWN_SECONDS = 10  # open streams are cancelled at once; this bounds the wait
 
@@ -51,21 +51,16 @@ def serve(
         import uvicorn
     except ImportError:
         raise FastrunError("fastrun serve needs its extra: pip install 'fastrun[serve]'") from None
-    from fastrun.runner.serial_engine import open_engine
     from fastrun.runner.server import ServerState, create_app
 
-    if backend == "auto":  # decided here, so that --threads reaches the CPU backend
-        from fastrun.backends.cuda import cuda_available
-
-        backend = "cuda" if cuda_available() else "cpu"
     path = resolve(model)  # a registry model is pulled (with a bar) before the server starts
     model_id = Path(path).stem if os.path.exists(model) else model
     sock = _listen(host, port)
     failure: list[str] = []
 
     def load():
-        return open_engine(path, backend=backend, n_ctx=ctx_size, parallel=parallel,
-                           threads=threads)  # fmt: skip
+        # the one loading path of run, chat and bench (kernel notice, GPU upload bar)
+        return load_model(str(path), backend, ctx_size, threads, parallel=parallel)
 
     def load_failed(message: str) -> None:
         failure.append(message)

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from fastrun.formats.errors import FastrunError
+from fastrun.runner.engine import QueueFull
 from fastrun.runner.openai_protocol import (
     ApiError,
     GenerationRequest,
@@ -32,7 +33,6 @@ from fastrun.runner.openai_protocol import (
     parse_chat,
     parse_completion,
 )
-from fastrun.runner.serial_engine import QueueFull
 from fastrun.runner.server_metrics import Metrics
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a full context of text is far smaller

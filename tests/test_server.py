@@ -21,8 +21,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from fastrun.formats.errors import FastrunError  # noqa: E402
+from fastrun.runner.engine import QueueFull  # noqa: E402
 from fastrun.runner.generate import Completion, Token  # noqa: E402
-from fastrun.runner.serial_engine import QueueFull  # noqa: E402
 from fastrun.runner.server import ServerState, create_app  # noqa: E402
 
 KEY = "test-key"
@@ -337,6 +337,18 @@ def concurrent_answers(client, n_clients: int):
                  for i in range(n_clients)]  # fmt: skip
     with ThreadPoolExecutor(n_clients) as pool:
         return questions, list(pool.map(ask, questions))
+
+
+def test_logprobs_of_a_greedy_reply(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3
+    )
+    scored = reply.choices[0].logprobs.content
+    assert len(scored) == 4 and "".join(t.token for t in scored) == reply.choices[0].message.content
+    for entry in scored:  # greedy: each token is its step's most likely one
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
 def test_concurrent_greedy_clients_equal_their_serial_text(client, reference):
