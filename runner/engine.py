@@ -151,7 +151,11 @@ class Engine:
         self._cancels: deque = deque()
         self._wake = threading.Condition()
         self._closed = False
-        self.steps = 0
+        self.steps = 0  # passes run
+        self.generated = 0  # tokens sampled
+        self.prompt_tokens = 0  # prompt tokens run (prefix reuse spares the rest)
+        self.step_seconds = 0.0  # in steps, of which
+        self.pass_seconds = 0.0  # in the model's passes (the rest: scheduling and sampling)
         self._thread = threading.Thread(target=self._loop, name="fastrun-engine", daemon=True)
         self._thread.start()
 
@@ -198,6 +202,10 @@ class Engine:
                 "active": len(self._decoding) + len(self._prefilling),
                 "queued": len(self._waiting),
                 "steps": self.steps,
+                "generated": self.generated,
+                "prompt_tokens": self.prompt_tokens,
+                "step_seconds": self.step_seconds,
+                "pass_seconds": self.pass_seconds,
             }
 
     def close(self) -> None:
@@ -293,6 +301,13 @@ class Engine:
 
     def _step(self) -> None:
         """One pass: every decoding sequence's next token, then prefill chunks."""
+        started = time.perf_counter()
+        try:
+            self._gather_run_sample()
+        finally:
+            self.step_seconds += time.perf_counter() - started
+
+    def _gather_run_sample(self) -> None:
         batch, rows = Batch(), []  # rows: (request, its output's place)
         budget = self.settings.batch_size
         for request in list(self._decoding):
@@ -307,6 +322,7 @@ class Engine:
                 break
             chunk, request.pending = request.pending[:budget], request.pending[budget:]
             budget -= len(chunk)
+            self.prompt_tokens += len(chunk)
             if request.pending:
                 batch.add(request.cache, chunk, "none")
             else:  # its last chunk: the prompt's logits start the generation
@@ -337,7 +353,11 @@ class Engine:
         any that needs one, else the most candidates any of them asks for."""
         needs = [r.candidates for r in requests]
         top_k = 0 if 0 in needs or not needs else max(needs)
-        return self.transformer.run(batch, self.cells, top_k)
+        started = time.perf_counter()
+        try:
+            return self.transformer.run(batch, self.cells, top_k)
+        finally:
+            self.pass_seconds += time.perf_counter() - started
 
     def _advance(self, request: Request, logits, row: int) -> None:
         k = request.candidates
@@ -351,6 +371,7 @@ class Engine:
                 ids, values = top_k_host(full[None], k)
                 choice = Candidates(ids[0], values[0])
         token = request.sampler(choice, request.cache.tokens)
+        self.generated += 1
         logprobs = None
         if request.params.logprobs is not None and full is not None:
             logprobs = log_softmax(full)

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -143,7 +144,7 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int, depth: int)
     return out
 
 
-def bench_engine(path: Path, n_gen: int, parallel: int, depth: int, rounds: int = 2) -> dict:
+def bench_engine(path: Path, n_gen: int, parallel: int, depth: int, rounds: int = 4) -> dict:
     """Through the engine's batcher: one sequence alone, then rounds * parallel requests with
     lengths from n_gen / 2 to 3 n_gen / 2 that join as others leave (at most `parallel` at
     once). Every prompt is one shared context of `depth` tokens (cached once, copied into each
@@ -155,11 +156,26 @@ def bench_engine(path: Path, n_gen: int, parallel: int, depth: int, rounds: int 
     m = Model(path, backend="cuda", n_ctx=depth + 2 * n_gen + 8, parallel=parallel)
     greedy = dict(temperature=0, ignore_eos=True)
     m.complete(context + [1], max_tokens=8, **greedy)  # warm-up; the context stays cached
+    before = m.stats()
     alone = m.complete(context + [2], max_tokens=n_gen + 1, **greedy)
+    after = m.stats()
+    steps = after["steps"] - before["steps"]
+    host_ms = (after["step_seconds"] - before["step_seconds"]) / steps * 1e3
+    pass_ms = (after["pass_seconds"] - before["pass_seconds"]) / steps * 1e3
     for size in (1, 2, 4, 8, 16, 32, 64):  # capture every step size's graph before timing
         if size <= parallel:
             m.generate_batch([context + [3 + i] for i in range(size)], max_tokens=3, **greedy)
     lengths = rng.integers(n_gen // 2, 3 * n_gen // 2 + 1, rounds * parallel)
+    samples, done = [], threading.Event()
+
+    def watch():  # (time, tokens generated, requests waiting) every 5 ms
+        while not done.is_set():
+            stats = m.stats()
+            samples.append((time.perf_counter(), stats["generated"], stats["queued"]))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     t0 = time.perf_counter()
     streams = [
         m.generate(context + [int(t)], max_tokens=int(n), **greedy)
@@ -169,10 +185,19 @@ def bench_engine(path: Path, n_gen: int, parallel: int, depth: int, rounds: int 
         for _ in stream:
             pass
     wall = time.perf_counter() - t0
+    done.set()
+    watcher.join()
     m.close()
+    # while requests wait, `parallel` sequences run: the steady state, before the tail where
+    # the last ones finish alone
+    busy = [s for s in samples if s[2] > 0]
+    steady = (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0]) if len(busy) > 2 else 0.0
     return {
+        "engine_step_ms": host_ms,
+        "engine_pass_ms": pass_ms,
         "engine_tg": alone.decode_tps,
         "engine_batch": int(lengths.sum()) / wall,
+        "engine_steady": steady,
         "engine_prefilled": int(sum(s.completion.prefilled_tokens for s in streams)),
     }
 
@@ -311,8 +336,11 @@ def main() -> None:
             print(
                 f"engine, {r['shape']} {r['type']}, depth {r['depth']}: one sequence "
                 f"{r['engine_tg']:.0f} tok/s, {args.batch} joining and leaving "
-                f"{r['engine_batch']:.0f} tok/s = {r['engine_batch'] / r['engine_tg']:.2f}x "
-                f"({r['engine_prefilled']} prompt tokens run)"
+                f"{r['engine_batch']:.0f} tok/s = {r['engine_batch'] / r['engine_tg']:.2f}x, "
+                f"while all {args.batch} run {r['engine_steady']:.0f} tok/s = "
+                f"{r['engine_steady'] / r['engine_tg']:.2f}x ({r['engine_prefilled']} prompt "
+                f"tokens run); one sequence's step {r['engine_step_ms']:.3f} ms, of which the "
+                f"pass {r['engine_pass_ms']:.3f} ms"
             )
     if args.json:
         args.json.write_text(json.dumps({"copy_bw": copy, "rows": rows}, indent=1))
