@@ -38,6 +38,9 @@ def serve(
         int, typer.Option("-np", "--parallel", min=1, help="Sequences generated at once.")
     ] = 4,
     ctx_size: CtxSize = None,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", min=0, help="Requests that may wait; beyond: 503.")
+    ] = 256,
     api_key: Annotated[
         str | None,
         typer.Option("--api-key", envvar="FASTRUN_API_KEY", help="Bearer token clients must send."),
@@ -60,7 +63,9 @@ def serve(
 
     def load():
         # the one loading path of run, chat and bench (kernel notice, GPU upload bar)
-        return load_model(str(path), backend, ctx_size, threads, parallel=parallel)
+        return load_model(
+            str(path), backend, ctx_size, threads, parallel=parallel, max_queue=max_queue
+        )
 
     def load_failed(message: str) -> None:
         failure.append(message)

@@ -404,17 +404,25 @@ def test_models_health_metrics_and_a_disconnect_cancels(server, client):
     assert metric(url, "fastrun_generated_tokens_total") > 0
 
 
-def test_sigterm_ends_open_streams_and_exits_0(tmp_path):
+def test_full_queue_503_then_sigterm_ends_open_streams_and_exits_0(tmp_path):
     from helpers import real_model
 
     real_model(MODEL)
-    with serve(MODEL, "--parallel", "2", tmp_path=tmp_path) as (proc, url):
+    with serve(MODEL, "--parallel", "1", "--max-queue", "1", tmp_path=tmp_path) as (proc, url):
         body = {"messages": QUESTION, "max_tokens": 400, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, json=body,
-                          timeout=120) as r:  # fmt: skip
-            lines = r.iter_lines()
-            first_words(lines)
+        with contextlib.ExitStack() as streams:
+
+            def open_stream():
+                return streams.enter_context(httpx.stream(
+                    "POST", f"{url}/v1/chat/completions", headers=AUTH, json=body, timeout=120
+                ))  # fmt: skip
+
+            running = open_stream().iter_lines()
+            first_words(running)
+            waiting = open_stream()  # the one sequence is busy: this one waits in the queue
+            r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=body, timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
             proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
+            assert [line for line in running if line][-1] == "data: [DONE]"
+            assert [line for line in waiting.iter_lines() if line][-1] == "data: [DONE]"
         assert proc.wait(timeout=30) == 0
