@@ -354,7 +354,7 @@ def test_matmul_many_tokens(backend, qtype):
     np.testing.assert_allclose(got, exact, rtol=0, atol=1e-2 * np.abs(exact).max())
 
 
-@pytest.mark.parametrize("k", [1, 40, 64])
+@pytest.mark.parametrize("k", [1, 3, 40, 64])
 @pytest.mark.parametrize("vocab", [300, 49152, 152064])
 def test_top_k(backend, k, vocab):
     rng = np.random.default_rng(seed_of(k, vocab))
