@@ -75,13 +75,11 @@ class ServerState:
     def ready_engine(self):
         if self.stopping:
             raise ApiError(503, "the server is shutting down", kind="unavailable_error")
+        if self.load_error:
+            raise ApiError(503, f"the model failed to load: {self.load_error}",
+                           kind="unavailable_error")  # fmt: skip
         if self.engine is None:
-            message = (
-                f"the model failed to load: {self.load_error}"
-                if self.load_error
-                else ("the model is loading; try again shortly")
-            )
-            raise ApiError(503, message, kind="unavailable_error")
+            raise ApiError(503, "the model is loading; try again shortly", kind="unavailable_error")
         return self.engine
 
     def stop(self) -> None:
