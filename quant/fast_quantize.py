@@ -4,7 +4,9 @@ Each kernel follows llama.cpp's `quantize_row_*_ref` (ggml-quants.c), the path l
 takes without an importance matrix, in the same float32 operation order (ggml-quants.c is built
 for baseline x86-64, so nothing there is fused or reassociated). Every scalar is kept float32 on
 purpose: one float64 intermediate would change a rounding somewhere in a large tensor.
-Rows are independent, so each kernel runs parallel over rows (`prange`).
+Rows are independent: the kernels release the GIL (nogil) and callers run slabs of rows on
+several threads at once (quant.pipeline), which keeps every thread busy across tensor borders
+instead of meeting at a barrier after each parallel call.
 """
 
 from __future__ import annotations
@@ -142,11 +144,11 @@ def _q8_0_block(x, i0, out, o):
         out[o + 2 + j] = int(q if v >= 0 else -q) & 255
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)
 def _quantize_32(x, out, kind):
     """Rows of x [n_rows, n] into out [n_rows, row_bytes]; kind selects the format."""
     n_rows, n = x.shape
-    for r in nb.prange(n_rows):
+    for r in range(n_rows):
         xr = x[r]
         orow = out[r]
         for b in range(n // 32):
@@ -397,17 +399,17 @@ def _q6_k_block(x, x0, out, o, L, scales):
             out[qh + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)
 def _quantize_k(x, out, kind):
     """Rows of x [n_rows, n] into K-quant blocks; kind 0 = Q4_K, 1 = Q5_K, 2 = Q6_K."""
     n_rows, n = x.shape
-    for r in nb.prange(n_rows):
-        L = np.zeros(256, np.int32)
-        Laux = np.zeros(32, np.int32)
-        w = np.zeros(32, np.float32)
-        scales = np.zeros(16, np.float32)
-        mins = np.zeros(8, np.float32)
-        sc = np.zeros(12, np.int32)
+    L = np.zeros(256, np.int32)  # scratch, reused by every block
+    Laux = np.zeros(32, np.int32)
+    w = np.zeros(32, np.float32)
+    scales = np.zeros(16, np.float32)
+    mins = np.zeros(8, np.float32)
+    sc = np.zeros(12, np.int32)
+    for r in range(n_rows):
         xr = x[r]
         orow = out[r]
         for b in range(n // 256):
