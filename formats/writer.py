@@ -70,9 +70,18 @@ def metadata_of(gguf: GGUFFile) -> dict[str, MetadataValue]:
     }
 
 
+_U64 = struct.Struct("<Q")
+
+
 def _string(s: str) -> bytes:
     raw = s.encode("utf-8")
-    return struct.pack("<Q", len(raw)) + raw
+    return _U64.pack(len(raw)) + raw
+
+
+def _strings(items) -> bytes:
+    """Many strings (a vocabulary): the hot loop of writing a header."""
+    pack = _U64.pack
+    return b"".join([pack(len(raw)) + raw for raw in [s.encode("utf-8") for s in items]])
 
 
 def _encode(key: str, v: MetadataValue) -> bytes:
@@ -88,7 +97,7 @@ def _encode(key: str, v: MetadataValue) -> bytes:
         dtype = np.dtype(SCALAR_TYPES[v.item_type][1]).newbyteorder("<")
         return head + np.asarray(items).astype(dtype, copy=False).tobytes()
     if v.item_type == STRING_TYPE:
-        return head + b"".join(_string(s) for s in items)
+        return head + _strings(items)
     raise GGUFError(f"metadata {key}: arrays of type {v.item_type} cannot be written")
 
 
