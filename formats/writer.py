@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
 from fastrun.formats import keys
-from fastrun.formats.errors import FastrunError, GGUFError
+from fastrun.formats.atomic_file import AtomicFile
+from fastrun.formats.errors import GGUFError
 from fastrun.formats.gguf import (
     ARRAY_TYPE,
     DEFAULT_ALIGNMENT,
@@ -124,61 +124,23 @@ class GGUFWriter:
             raise GGUFError(f"bad alignment {self.alignment}")
         if len({t.name for t in tensors}) != len(tensors):
             raise GGUFError("duplicate tensor names")
-        self._fh = None
-        self._tmp = None
+        self._out: AtomicFile | None = None
         self._next = 0  # index of the tensor being written
         self._written = 0  # bytes of it written so far
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def __enter__(self) -> GGUFWriter:
-        folder = os.path.dirname(os.path.abspath(self.path))
-        try:
-            fd, self._tmp = tempfile.mkstemp(
-                dir=folder, prefix=f".{os.path.basename(self.path)}.", suffix=".partial"
-            )
-        except OSError as e:
-            raise FastrunError(f"cannot write {self.path}: {e.strerror}") from None
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self._tmp, 0o666 & ~umask)  # mkstemp's 0600 would outlive the rename
-        self._fh = os.fdopen(fd, "wb", buffering=1 << 20)
-        self._write(self._header())
+        self._out = AtomicFile(self.path).__enter__()
+        self._out.write(self._header())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None and self._next != len(self.tensors):
+            self._out.discard()
             missing = self.tensors[self._next].name
-            self._discard()
             raise GGUFError(f"{self.path}: tensor {missing} was never written")
-        if exc_type is not None:
-            self._discard()
-            return
-        try:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-            self._fh = None
-            os.replace(self._tmp, self.path)
-        except OSError as e:
-            self._discard()
-            raise FastrunError(f"cannot write {self.path}: {e.strerror}") from None
-
-    def _discard(self) -> None:
-        if self._fh is not None:
-            try:
-                self._fh.close()
-            except OSError:
-                pass  # a full disk can fail the final flush too; the file goes anyway
-            self._fh = None
-        if self._tmp is not None and os.path.exists(self._tmp):
-            os.unlink(self._tmp)
-
-    def _write(self, data) -> None:
-        try:
-            self._fh.write(data)
-        except OSError as e:
-            raise FastrunError(f"cannot write {self.path}: {e.strerror}") from None
+        self._out.__exit__(exc_type, exc, tb)
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -209,9 +171,9 @@ class GGUFWriter:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if self._written + raw.size > spec.n_bytes:
             raise GGUFError(f"{self.path}: tensor {name} is larger than its declared size")
-        self._write(raw.data)
+        self._out.write(raw.data)
         self._written += raw.size
         if self._written == spec.n_bytes:
-            self._write(bytes(_padding(spec.n_bytes, self.alignment)))
+            self._out.write(bytes(_padding(spec.n_bytes, self.alignment)))
             self._next += 1
             self._written = 0

@@ -4,17 +4,17 @@ Layout (little-endian): magic b"FRLOGP01", then uint32 n_ctx, n_vocab, n_chunk, 
 scored positions of each chunk), then the int32 tokens of the chunks [n_chunk * n_ctx], then
 float16 log-probabilities [n_chunk, n_scored, n_vocab]. Rows are appended chunk by chunk and
 read back through a memory map, so neither side holds them all in memory. Written to a
-temporary name and renamed when complete, as the GGUF writer does.
+temporary name and renamed when complete (formats.atomic_file), as GGUF output is.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import tempfile
 
 import numpy as np
 
+from fastrun.formats.atomic_file import AtomicFile
 from fastrun.formats.errors import FastrunError
 
 MAGIC = b"FRLOGP01"
@@ -30,45 +30,19 @@ class LogprobWriter:
         self.tokens = np.ascontiguousarray(tokens, dtype="<i4")
         self.n_chunk = self.tokens.size // n_ctx
         self.n_scored = n_ctx - 1 - n_ctx // 2
-        self._fh = self._tmp = None
+        self._out: AtomicFile | None = None
 
     def __enter__(self) -> LogprobWriter:
-        folder = os.path.dirname(os.path.abspath(self.path))
-        try:
-            fd, self._tmp = tempfile.mkstemp(dir=folder, prefix=".logprobs.", suffix=".partial")
-            self._fh = os.fdopen(fd, "wb")
-            head = (MAGIC, self.n_ctx, self.n_vocab, self.n_chunk, self.n_scored)
-            self._fh.write(_HEAD.pack(*head))
-            self._fh.write(self.tokens.tobytes())
-        except OSError as e:
-            self._discard()
-            raise FastrunError(f"cannot write {self.path}: {e.strerror}") from None
+        self._out = AtomicFile(self.path).__enter__()
+        self._out.write(_HEAD.pack(MAGIC, self.n_ctx, self.n_vocab, self.n_chunk, self.n_scored))
+        self._out.write(self.tokens.tobytes())
         return self
 
     def append(self, logprobs: np.ndarray) -> None:
-        try:
-            self._fh.write(np.ascontiguousarray(logprobs, dtype="<f2").tobytes())
-        except OSError as e:
-            raise FastrunError(f"cannot write {self.path}: {e.strerror}") from None
+        self._out.write(np.ascontiguousarray(logprobs, dtype="<f2").tobytes())
 
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None:
-            self._discard()
-            return
-        try:
-            self._fh.close()
-            self._fh = None
-            os.replace(self._tmp, self.path)
-        except OSError as e:
-            self._discard()
-            raise FastrunError(f"cannot write {self.path}: {e.strerror}") from None
-
-    def _discard(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-        if self._tmp and os.path.exists(self._tmp):
-            os.unlink(self._tmp)
+    def __exit__(self, *exc) -> None:
+        self._out.__exit__(*exc)
 
 
 class LogprobFile:

@@ -123,7 +123,7 @@ def test_full_disk_is_one_line_and_leaves_nothing(tmp_path):
     w = GGUFWriter(tmp_path / "out.gguf", _metadata(), specs)
     with pytest.raises(FastrunError, match="No space left on device"):
         with w:
-            w._fh.close()
-            w._fh = _FullDisk()
+            w._out._fh.close()
+            w._out._fh = _FullDisk()
             w.write_tensor(specs[0].name, data[0])
     assert os.listdir(tmp_path) == []
