@@ -32,7 +32,8 @@ from fastrun.formats import GGUFFile
 from fastrun.runner.registry import resolve_model
 
 LICENSES = ["GPL-3", "GPL-2", "LGPL-2.1"]
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K_M"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K_M"]  # timed, loaded and compared
+MORE_TYPES = ["Q5_1", "Q4_K_S", "Q5_K_S", "Q5_K_M", "Q6_K", "BF16", "F32"]  # compared only
 
 
 def run(cmd: list[str]) -> tuple[float, str]:
@@ -98,10 +99,10 @@ def main() -> None:
         src = resolve_model("smollm2-135m-instruct")
         run(fastrun("quantize", str(src), str(f16), "--type", "F16", "--allow-requantize"))
 
-    for qtype in TYPES:
+    for qtype in TYPES + MORE_TYPES:
         ours, theirs = work / f"fastrun-{qtype}.gguf", work / f"llama-{qtype}.gguf"
         times = {"fastrun": [], "llama": []}
-        for _ in range(2):  # alternate, so both see the same machine load
+        for _ in range(2 if qtype in TYPES else 1):  # alternate: both see the same load
             llama = [str(args.llama_bin / "llama-quantize"), str(f16), str(theirs), qtype, t]
             times["llama"].append(run(llama)[0])
             ours_cmd = fastrun("quantize", str(f16), str(ours), "--type", qtype, "-t", t, "--force")

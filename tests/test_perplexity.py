@@ -74,3 +74,25 @@ def test_cli(tiny_model, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs at least 128" in err[0]
     assert sorted(os.listdir(tmp_path)) == ["base.logp", "text.txt"]
+
+
+def test_ctrl_c_leaves_no_base(tiny_model, tmp_path, capsys, monkeypatch):
+    import fastrun.runner.perplexity as perplexity
+
+    calls = []
+
+    def interrupted(transformer, ids, bos):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(transformer, ids, bos)
+
+    real = perplexity._chunk_logprobs
+    monkeypatch.setattr(perplexity, "_chunk_logprobs", interrupted)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    base = tmp_path / "base.logp"
+    args = ["perplexity", str(tiny_model), str(text), "-c", "64", "--kl-divergence-base", str(base)]
+    assert main(args) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["text.txt"]
