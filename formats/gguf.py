@@ -161,8 +161,9 @@ class GGUFFile:
             raise GGUFError(f"absurd counts: {n_tensors} tensors, {n_kv} metadata pairs")
 
         self.metadata: dict[str, object] = {}
-        # key -> (value type, item type of an array or None): what a writer needs to copy a value
-        self.metadata_types: dict[str, tuple[int, int | None]] = {}
+        # key -> (value type, item type of an array or None, byte span of the value): what a
+        # writer needs to copy a value exactly
+        self.metadata_types: dict[str, tuple[int, int | None, tuple[int, int]]] = {}
         for _ in range(n_kv):
             key = cur.string("metadata key")
             vtype = cur.scalar("I", f"type of {key}")
@@ -172,8 +173,9 @@ class GGUFFile:
             if vtype == ARRAY_TYPE:
                 cur.need(4, f"item type of {key}")
                 (item_type,) = struct.unpack_from("<I", self._mm, cur.pos)
+            start = cur.pos
             self.metadata[key] = self._value(cur, vtype, key)
-            self.metadata_types[key] = (vtype, item_type)
+            self.metadata_types[key] = (vtype, item_type, (start, cur.pos))
 
         alignment = self.metadata.get(keys.ALIGNMENT, DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -271,6 +273,11 @@ class GGUFFile:
         if info is None:
             raise GGUFError(f"{os.path.basename(self.path)}: missing tensor {name}")
         return info
+
+    @property
+    def raw_bytes(self) -> mmap.mmap:
+        """The whole file, read-only; a slice of it is bytes."""
+        return self._mm
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """Zero-copy read-only uint8 view [rows, row_bytes] of a tensor's data."""

@@ -39,11 +39,15 @@ ARRAY = ARRAY_TYPE
 
 @dataclass(frozen=True)
 class MetadataValue:
-    """A typed metadata value: GGUF value type, the value, and the item type of an array."""
+    """A typed metadata value: GGUF value type, the value, and the item type of an array.
+
+    `raw`, when set, is the value's encoding as read from a file: copied as is, so a value
+    the reader decoded lossily (invalid UTF-8, nested arrays) survives a copy unchanged."""
 
     type: int
     value: object
     item_type: int | None = None
+    raw: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,10 @@ class TensorSpec:
 
 def metadata_of(gguf: GGUFFile) -> dict[str, MetadataValue]:
     """A file's metadata with the value types it was stored with, in file order."""
+    raw = gguf.raw_bytes
     return {
-        key: MetadataValue(vtype, gguf.metadata[key], item_type)
-        for key, (vtype, item_type) in gguf.metadata_types.items()
+        key: MetadataValue(vtype, gguf.metadata[key], item_type, raw[start:end])
+        for key, (vtype, item_type, (start, end)) in gguf.metadata_types.items()
     }
 
 
@@ -85,6 +90,8 @@ def _strings(items) -> bytes:
 
 
 def _encode(key: str, v: MetadataValue) -> bytes:
+    if v.raw is not None:
+        return v.raw
     if v.type in SCALAR_TYPES:
         return struct.pack("<" + SCALAR_TYPES[v.type][0], v.value)
     if v.type == STRING_TYPE:
