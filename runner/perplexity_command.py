@@ -38,7 +38,7 @@ def perplexity(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing base.")] = False,
     threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
-    backend: Annotated[str, typer.Option("--backend", help="cpu, cuda or auto.")] = "cpu",
+    backend: Annotated[str, typer.Option("--backend", help="cpu, cuda or auto.")] = "auto",
 ) -> None:
     """Perplexity of a model on a text, chunk by chunk as llama-perplexity computes it."""
     from fastrun.runner.api import Model

@@ -36,6 +36,11 @@ def quantize(
     from fastrun.quant.recipes import file_type
 
     ftype = file_type(type_name)  # an unknown type fails before any file is touched
+    if os.path.isdir(source):
+        raise FastrunError(
+            f"{source} is a folder; fastrun quantize reads GGUF files (convert a Hugging Face "
+            "folder with llama.cpp's convert_hf_to_gguf.py first)"
+        )
     if not os.path.isfile(source):
         raise FastrunError(f"no such file: {source}")
     if os.path.exists(output) and not force:

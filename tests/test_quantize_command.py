@@ -122,6 +122,8 @@ def test_bad_input(f32_model, tiny_model, tmp_path, capsys):
     _one_error_line(capsys, "not a GGUF file")
     assert main(["quantize", str(tiny_model), str(out), "--type", "Q8_0"]) == 2
     _one_error_line(capsys, "--allow-requantize")
+    assert main(["quantize", str(tmp_path), str(out), "--type", "Q8_0"]) == 2
+    _one_error_line(capsys, "is a folder")
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
     out.write_bytes(b"keep me")
     assert main(["quantize", str(f32_model), str(out), "--type", "Q8_0"]) == 2
