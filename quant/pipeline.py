@@ -135,19 +135,19 @@ def _convert_all(src: GGUFFile, jobs: list[TensorJob], writer: GGUFWriter, threa
     with ThreadPoolExecutor(max_workers=threads) as pool:
         try:
             for job, slab in _slabs(src, jobs):
-                window.append((job, slab.size, pool.submit(_slab_bytes, job, slab)))
+                window.append((job, pool.submit(_slab_bytes, job, slab)))
                 if len(window) >= 2 * threads:
                     _write_done(window.popleft(), writer, advance)
             while window:
                 _write_done(window.popleft(), writer, advance)
         except BaseException:
-            for _, _, future in window:
+            for _, future in window:
                 future.cancel()
             raise
 
 
 def _write_done(item, writer: GGUFWriter, advance) -> None:
-    job, _, future = item
+    job, future = item
     out = future.result()
     writer.write_tensor(job.target.name, out)
     advance(out.size // job.target.format.block_bytes * job.target.format.block_size, job)
