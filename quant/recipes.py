@@ -56,7 +56,10 @@ _KEEP = (
     "per_layer_model_proj",
     "ssm_conv1d",
     "shortconv.conv.weight",
-    "time_mix_",
+    *(
+        f"time_mix_{part}.weight"  # RWKV's small 2-D weights
+        for part in ("first w0 w1 w2 v0 v1 v2 a0 a1 a2 g1 g2 decay_w1 decay_w2 lerp_fused".split())
+    ),
     "attn_rel_b.weight",
     ".position_embd",
     ".patch_embd",
