@@ -165,3 +165,37 @@ def test_ctrl_c_leaves_nothing(f32_model, tmp_path):
     assert p.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     assert os.listdir(tmp_path) == []
+
+
+def _choose(ftype, n_layer=16, tied=False, arch="llama", n_expert=0):
+    from fastrun.quant.formats import block_format
+    from fastrun.quant.recipes import TypeChooser, file_type, llama_order
+
+    names = ["token_embd.weight", "output_norm.weight"] + (["output.weight"] if not tied else [])
+    for i in range(n_layer):
+        names += [f"blk.{i}.{t}.weight" for t in ("attn_v", "attn_k", "attn_output", "ffn_down")]
+    names = llama_order(names)
+    chooser = TypeChooser(file_type(ftype), names, arch, n_layer, n_expert)
+    f16 = block_format("F16")
+    shape = {n: (512,) if "norm" in n else (512, 512) for n in names}
+    return {n: chooser.choose(n, shape[n], f16).name for n in names}
+
+
+def test_recipe_rules():
+    t = _choose("Q5_K_M")
+    assert t["output.weight"] == "Q6_K" and t["token_embd.weight"] == "Q5_K"  # untied
+    assert t["output_norm.weight"] == "F16"  # 1-D: kept as it is
+    more = [i for i in range(16) if t[f"blk.{i}.attn_v.weight"] == "Q6_K"]
+    assert more == [0, 1, 4, 7, 10, 13, 14, 15]  # use_more_bits for 16 layers
+    assert [i for i in range(16) if t[f"blk.{i}.ffn_down.weight"] == "Q6_K"] == more
+    t = _choose("Q4_K_S")
+    assert [i for i in range(16) if t[f"blk.{i}.attn_v.weight"] == "Q5_K"] == [0, 1, 2, 3]
+    assert [i for i in range(16) if t[f"blk.{i}.ffn_down.weight"] == "Q5_K"] == [0, 1]
+    t = _choose("Q4_K_M", n_expert=8)
+    assert t["blk.3.attn_v.weight"] == "Q8_0" and t["blk.3.attn_k.weight"] == "Q8_0"
+    assert t["blk.3.attn_output.weight"] == "Q5_K"
+    t = _choose("Q4_K_M", arch="falcon")
+    assert t["output.weight"] == "Q8_0" and t["blk.0.ffn_down.weight"] == "Q6_K"
+    assert t["blk.1.ffn_down.weight"] == "Q5_K" and t["blk.2.ffn_down.weight"] == "Q4_K"
+    t = _choose("Q8_0", tied=True)
+    assert set(t.values()) == {"Q8_0", "F16"}
