@@ -68,13 +68,6 @@ class PerplexityResult:
         }
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax, the sum of exponentials in float64 as llama-perplexity does."""
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    log_sum = np.log(np.exp(shifted).sum(axis=1, dtype=np.float64)).astype(np.float32)
-    return shifted - log_sum[:, None]
-
-
 def chunk_tokens(tokens: list[int], n_ctx: int, n_chunks: int | None) -> np.ndarray:
     """The whole chunks of n_ctx tokens to evaluate, [n_chunk, n_ctx]."""
     if n_ctx < 8:
@@ -89,19 +82,14 @@ def chunk_tokens(tokens: list[int], n_ctx: int, n_chunks: int | None) -> np.ndar
     return np.asarray(tokens[: n * n_ctx], np.int32).reshape(n, n_ctx)
 
 
-def _chunk_logprobs(transformer, ids: np.ndarray, bos: int | None) -> np.ndarray:
-    """Log-probabilities at the scored positions of one chunk, [n_scored, n_vocab]."""
+def _chunk_logprobs(model, ids: np.ndarray, bos: int | None) -> np.ndarray:
+    """Log-probabilities at the scored positions of one chunk, [n_scored, n_vocab], through
+    the model's public scoring call (it runs on the thread that owns the backend)."""
     n_ctx = ids.size
-    first = n_ctx // 2
     ids = ids.copy()
     if bos is not None:
         ids[0] = bos
-    cache = transformer.new_cache(n_ctx)
-    try:
-        logits = transformer.forward(ids, cache, all_logits=True)
-    finally:
-        cache.free()
-    return log_softmax(np.asarray(logits[first : n_ctx - 1], np.float32))
+    return np.asarray(model.logprobs(ids)[n_ctx // 2 : n_ctx - 1], np.float32)
 
 
 def evaluate(
@@ -131,7 +119,7 @@ def evaluate(
     start = time.perf_counter()
     with saver as writer:
         for i, ids in enumerate(chunks):
-            logprobs = _chunk_logprobs(model.transformer, ids, bos)
+            logprobs = _chunk_logprobs(model, ids, bos)
             targets = ids[first + 1 :]
             picked = logprobs[np.arange(targets.size), targets].astype(np.float64)
             scores.count += targets.size

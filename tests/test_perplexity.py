@@ -81,11 +81,11 @@ def test_ctrl_c_leaves_no_base(tiny_model, tmp_path, capsys, monkeypatch):
 
     calls = []
 
-    def interrupted(transformer, ids, bos):
+    def interrupted(model, ids, bos):
         if calls:
             raise KeyboardInterrupt
         calls.append(1)
-        return real(transformer, ids, bos)
+        return real(model, ids, bos)
 
     real = perplexity._chunk_logprobs
     monkeypatch.setattr(perplexity, "_chunk_logprobs", interrupted)
