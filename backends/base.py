@@ -38,6 +38,12 @@ class Backend(ABC):
 
     name: str = "abstract"
 
+    def use_on_this_thread(self) -> None:
+        """Make the calling thread ready to run this backend's operations (settings that are
+        per thread: the CPU's thread count, CUDA's current device). The thread that owns the
+        backend (the engine's) calls it first."""
+        return None
+
     # -- data movement ----------------------------------------------------------------------
 
     @abstractmethod
@@ -55,6 +61,10 @@ class Backend(ABC):
     @abstractmethod
     def to_host(self, x) -> np.ndarray:
         """Copy a backend array to a NumPy array."""
+
+    def gather_rows(self, x, rows: np.ndarray):
+        """Rows `rows` (host int32 [m]) of x [n, d]: [m, d]."""
+        return x[np.asarray(rows)]
 
     # -- math -------------------------------------------------------------------------------
 
@@ -103,6 +113,19 @@ class Backend(ABC):
         starts[i] + 0..positions[i] (starts: int32 [n], the first slot of each query's
         sequence; None: all 0); heads share kv heads in groups of h // hk. Returns [n, h * hd]."""
 
+    def kv_copy(self, k_cache, v_cache, src: int, dst: int, n: int, shift: int = 0, rope=None):
+        """Copy rows src .. src + n of every layer of k_cache, v_cache [n_layer, c, hk, hd] to
+        rows dst .. dst + n (the ranges may overlap); with shift (and rope: RopeConfig), keys are
+        rotated by shift positions on the way, as a context shift needs (RoPE is applied before
+        caching). The default composes rope and kv_write layer by layer."""
+        slots = np.arange(dst, dst + n, dtype=np.int32)
+        for layer in range(k_cache.shape[0]):
+            k = k_cache[layer, src : src + n].astype(np.float32)  # copies: the ranges may overlap
+            v = v_cache[layer, src : src + n].astype(np.float32)
+            if shift:
+                k = self.rope(k, np.full(n, shift, np.int32), rope)
+            self.kv_write(k_cache[layer], v_cache[layer], k, v, slots)
+
     # -- fused steps: the defaults compose the operations above; a backend may do each in one
     # pass (the CUDA backend does, to cut kernel launches per token) --------------------------
 
@@ -137,26 +160,61 @@ class Backend(ABC):
         backend has none for these weights (the model then calls the steps block by block)."""
         return None
 
+    # -- whole decode steps -------------------------------------------------------------------
+
+    def step_size(self, n: int) -> int:
+        """Tokens a decode step of n tokens is padded to (a backend that captures steps keeps
+        one capture per size); n where nothing is captured."""
+        return n
+
+    def run_step(self, owner, key, step, *vectors):
+        """step(*vectors) -> backend array(s), returned on the host. A backend may capture the
+        step once per (owner, key, shape of the vectors) and replay it (the CUDA backend: a
+        graph): step must then read its inputs only from the int32 vectors it is handed (token
+        ids, positions, ...) and owner, whose buffers the capture holds, must stay alive while
+        it is used. The default runs it."""
+        out = step(*vectors)
+        if isinstance(out, tuple):
+            return tuple(self.to_host(a) for a in out)
+        return self.to_host(out)
+
     # -- token selection ----------------------------------------------------------------------
 
     def top_k(self, logits, k: int) -> tuple:
         """The k largest values of each row of logits [n, vocab], best first and the lower id
         first on ties: (ids int32 [n, k], values float32 [n, k]) on the backend. A decode step
         returns these instead of whole rows where the sampler needs no more."""
-        x = np.asarray(self.to_host(logits), np.float32)
-        if k == 1:  # argmax stops at a NaN, if any: only then is the row copied without them
-            ids, best = _first_max(x)
-            if not np.isnan(best).any():
-                return ids, best
-            return _first_max(np.where(np.isnan(x), -np.inf, x))
-        x = np.where(np.isnan(x), -np.inf, x)
-        ids = np.empty((len(x), k), np.int32)
-        for r, row in enumerate(x):
-            least = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
-            above = np.flatnonzero(row > least)
-            chosen = np.concatenate([above, np.flatnonzero(row == least)[: k - len(above)]])
-            ids[r] = chosen[np.lexsort((chosen, -row[chosen]))]
-        return ids, np.take_along_axis(x, ids, axis=1)
+        return top_k_host(self.to_host(logits), k)
+
+
+def top_k_host(x: np.ndarray, k: int) -> tuple:
+    """Backend.top_k on host logits [n, vocab] (NumPy results)."""
+    x = np.asarray(x, np.float32)
+    if k == 1:  # argmax stops at a NaN, if any: only then is the row copied without them
+        ids, best = _first_max(x)
+        if not np.isnan(best).any():
+            return ids, best
+        return _first_max(np.where(np.isnan(x), -np.inf, x))
+    if k <= SMALL_K:  # k passes of argmax, each the best left and its lowest id on ties
+        ids, work, rows = np.empty((len(x), k), np.int32), x.copy(), np.arange(len(x))
+        for j in range(k):
+            ids[:, j] = np.argmax(work, axis=1)
+            work[rows, ids[:, j]] = -np.inf
+        values = np.take_along_axis(x, ids, axis=1)
+        repeated = (np.diff(np.sort(ids, axis=1), axis=1) == 0).any()  # rows of -inf
+        if not (repeated or np.isnan(values).any()):
+            return ids, values
+    x = np.where(np.isnan(x), -np.inf, x)
+    ids = np.empty((len(x), k), np.int32)
+    for r, row in enumerate(x):
+        least = row[np.argpartition(-row, k - 1)[k - 1]]  # the k-th largest value
+        above = np.flatnonzero(row > least)
+        chosen = np.concatenate([above, np.flatnonzero(row == least)[: k - len(above)]])
+        ids[r] = chosen[np.lexsort((chosen, -row[chosen]))]
+    return ids, np.take_along_axis(x, ids, axis=1)
+
+
+SMALL_K = 8  # up to this k, repeated argmax beats a partition of a 50k-150k vocabulary
 
 
 def _first_max(x: np.ndarray) -> tuple:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+import threading
 
 import numpy as np
 
@@ -13,7 +13,8 @@ from fastrun.formats import keys
 from fastrun.formats.errors import FastrunError
 from fastrun.formats.gguf import GGUFFile
 from fastrun.runner.chat import ChatTemplate
-from fastrun.runner.generate import Completion, Token, stream
+from fastrun.runner.engine import Engine, EngineSettings, Stream
+from fastrun.runner.generate import Completion
 from fastrun.runner.models import model_class
 from fastrun.runner.registry import resolve_model
 from fastrun.runner.sampling import SamplingParams
@@ -35,7 +36,8 @@ def sampling_params(**settings) -> SamplingParams:
 
 
 class Model:
-    """A loaded model with its tokenizer, chat template and one KV cache (one session)."""
+    """A loaded model: its weights, tokenizer and chat template, and the engine that runs the
+    generations of every caller (threads included) as parallel sequences in shared passes."""
 
     def __init__(
         self,
@@ -44,6 +46,11 @@ class Model:
         n_ctx: int | None = None,
         threads: int | None = None,
         progress=None,
+        parallel: int = 4,
+        batch_size: int = 512,
+        n_keep: int = 4,
+        context_shift: bool = True,
+        max_queue: int = 256,
     ):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
@@ -56,8 +63,17 @@ class Model:
         self.n_ctx = int(n_ctx or min(DEFAULT_CTX, self.config.n_ctx_train))
         if self.n_ctx < 2:
             raise FastrunError(f"context size {self.n_ctx} is too small")
-        self.cache = self.transformer.new_cache(self.n_ctx)
-        self.last = Completion()  # the most recent generation's text, tokens and timings
+        settings = EngineSettings(
+            parallel=parallel, n_ctx=self.n_ctx, batch_size=batch_size, n_keep=n_keep,
+            context_shift=context_shift, max_queue=max_queue,
+        )  # fmt: skip
+        self.engine = Engine(self.transformer, self.tokenizer, settings)
+        self._local = threading.local()  # each thread's most recent Completion (`last`)
+
+    @property
+    def last(self) -> Completion:
+        """The calling thread's most recent generation: its text, tokens and timings."""
+        return getattr(self._local, "last", None) or Completion()
 
     # -- text <-> tokens ----------------------------------------------------------------------
 
@@ -72,9 +88,15 @@ class Model:
     def logprobs(self, tokens) -> np.ndarray:
         """Teacher-forced log-softmax after each prefix: float32 [len(tokens), n_vocab]."""
         tokens = [int(t) for t in tokens]
-        cache = self.transformer.new_cache(max(len(tokens), 1))
-        logits = self.transformer.forward(tokens, cache, all_logits=True)
-        cache.free()
+
+        def score():  # on the engine's thread, which owns the backend
+            cache = self.transformer.new_cache(max(len(tokens), 1))
+            try:
+                return self.transformer.forward(tokens, cache, all_logits=True)
+            finally:
+                cache.free()
+
+        logits = self.engine.call(score)
         shifted = logits - logits.max(axis=1, keepdims=True)
         return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
@@ -94,13 +116,14 @@ class Model:
             )
         return ids
 
-    def generate(self, prompt_or_ids, **sampling) -> Iterator[Token]:
-        """Stream the continuation of a prompt (text or token ids) as Token pieces (str with
-        an `.id`). Reuses the cache's common prefix with the previous call."""
+    def generate(self, prompt_or_ids, **sampling) -> Stream:
+        """Stream the continuation of a prompt (text or token ids) as Token pieces (str with an
+        `.id`); the Stream's `completion` fills in as it runs, and closing it cancels. Safe to
+        call from several threads: their generations run side by side in the engine."""
         params = sampling_params(**sampling)
-        ids = self.prompt_ids(prompt_or_ids)
-        self.last = Completion()
-        return stream(self.transformer, self.tokenizer, self.cache, ids, params, self.last)
+        stream = self.engine.submit(self.prompt_ids(prompt_or_ids), params)
+        self._local.last = stream.completion
+        return stream
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         text = self.template.render(messages, add_generation_prompt=True)
@@ -108,18 +131,35 @@ class Model:
         add_bos = self.tokenizer.add_bos and not (bos and text.startswith(bos))
         return self.tokenize(text, add_bos=add_bos, special=True)
 
-    def chat(self, messages: list[dict], **sampling) -> Iterator[Token]:
+    def chat(self, messages: list[dict], **sampling) -> Stream:
         """Stream the assistant's reply to a conversation ([{"role", "content"}, ...])."""
         return self.generate(self.chat_prompt(messages), **sampling)
 
     def complete(self, prompt_or_ids, **sampling) -> Completion:
         """Generate to the end and return the Completion (text, tokens, timings)."""
-        for _ in self.generate(prompt_or_ids, **sampling):
-            pass
-        return self.last
+        with self.generate(prompt_or_ids, **sampling) as stream:
+            for _ in stream:
+                pass
+        return stream.completion
+
+    def generate_batch(self, prompts: list, **sampling) -> list[Completion]:
+        """Run prompts (texts or id lists) as one batch of parallel sequences, to the end."""
+        streams = [self.generate(p, **sampling) for p in prompts]
+        try:
+            for stream in streams:
+                for _ in stream:
+                    pass
+        finally:
+            for stream in streams:
+                stream.close()
+        return [s.completion for s in streams]
+
+    def stats(self) -> dict:
+        """The engine's load: parallel, n_ctx, active and queued sequences, steps run."""
+        return self.engine.stats()
 
     def close(self) -> None:
-        self.cache.free()
+        self.engine.close()
         self.file.close()
 
 

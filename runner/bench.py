@@ -1,4 +1,6 @@
-"""llama-bench-style throughput measurement: prompt processing (pp) and token generation (tg)."""
+"""Throughput as llama.cpp's benches measure it: prompt processing (pp) and token generation (tg)
+of one sequence on the model itself (llama-bench), and aggregate speed of parallel sequences
+through the engine's batcher (llama-batched-bench)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,6 @@ import statistics
 import time
 
 import numpy as np
-
-from fastrun.runner.generate import decode_step
 
 
 def bench_prefill(model, cache, n_prompt: int, rng: np.random.Generator) -> float:
@@ -28,12 +28,17 @@ def bench_decode(model, cache, n_gen: int, rng: np.random.Generator) -> float:
     token = int(rng.integers(0, tf.config.n_vocab))
     t0 = time.perf_counter()
     for _ in range(n_gen):
-        token = int(decode_step(tf, cache, token, top_k=1).ids[0])
+        token = int(tf.forward([token], cache, top_k=1)[0][-1, 0])
     return time.perf_counter() - t0
 
 
 def run_bench(model, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> list[dict]:
-    """Rows of {test, n, tokens_per_second: [per repetition], mean, sd}, after one warm-up."""
+    """Rows of {test, n, tokens_per_second: [per repetition], mean, sd}, after one warm-up; on
+    the engine's thread, which owns the backend."""
+    return model.engine.call(lambda: _bench_model(model, n_prompt, n_gen, reps, seed))
+
+
+def _bench_model(model, n_prompt: int, n_gen: int, reps: int, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for test, n, fn in (("pp", n_prompt, bench_prefill), ("tg", n_gen, bench_decode)):
@@ -53,4 +58,48 @@ def run_bench(model, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> lis
                 "sd": statistics.stdev(rates) if len(rates) > 1 else 0.0,
             }
         )
+    return rows
+
+
+def bench_parallel(model, n_seq: int, n_prompt: int, n_gen: int, rng) -> dict:
+    """n_seq sequences of random n_prompt-token prompts submitted at once, each generating
+    n_gen tokens after its first (greedy, end of text ignored), as llama-batched-bench: the
+    prompts' time until every sequence has its first token, then the decode steps."""
+    vocab = model.config.n_vocab
+    t0 = time.perf_counter()
+    streams = [
+        model.generate(
+            rng.integers(0, vocab, n_prompt).tolist(),
+            max_tokens=n_gen + 1,
+            temperature=0,
+            ignore_eos=True,
+        )  # fmt: skip
+        for _ in range(n_seq)
+    ]
+    for stream in streams:
+        for _ in stream:
+            pass
+    total = time.perf_counter() - t0
+    done = [s.completion for s in streams]
+    t_pp = max(d.queue_seconds + d.prefill_seconds for d in done)
+    t_tg = max(total - t_pp, 1e-9)
+    return {
+        "npl": n_seq, "npp": n_prompt, "ntg": n_gen, "t_pp": t_pp, "t_tg": t_tg,
+        "s_pp": n_seq * n_prompt / t_pp, "s_tg": n_seq * n_gen / t_tg,
+        "s": n_seq * (n_prompt + n_gen) / total,
+    }  # fmt: skip
+
+
+def run_parallel_bench(
+    model, parallels: list[int], n_prompt: int, n_gen: int, reps: int, seed: int = 0
+) -> list[dict]:
+    """Per number of parallel sequences, the median of reps runs (after a warm-up) of
+    bench_parallel through the model's engine."""
+    rng = np.random.default_rng(seed)
+    bench_parallel(model, max(parallels), min(n_prompt, 8), 4, rng)  # warm-up: compile, fault
+    rows = []
+    for n_seq in parallels:
+        runs = [bench_parallel(model, n_seq, n_prompt, n_gen, rng) for _ in range(reps)]
+        runs.sort(key=lambda r: r["s_tg"])
+        rows.append({**runs[len(runs) // 2], "s_tg_runs": [r["s_tg"] for r in runs]})
     return rows

@@ -32,7 +32,23 @@ BackendOpt = Annotated[str, typer.Option("--backend", help="cpu, cuda or auto.")
 System = Annotated[str | None, typer.Option("--system", help="System message (chat template).")]
 
 
-def load_model(model: str, backend: str, ctx_size: int | None, threads: int | None):
+Keep = Annotated[
+    int,
+    typer.Option("--keep", min=-1, help="Tokens kept on a context shift (-1: the prompt)."),
+]
+NoShift = Annotated[
+    bool, typer.Option("--no-context-shift", help="Stop at a full context instead of shifting.")
+]
+IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Never stop at end-of-text.")]
+BatchSize = Annotated[
+    int, typer.Option("-b", "--batch-size", min=1, help="Tokens per forward pass at most.")
+]
+
+
+def load_model(
+    model: str, backend: str, ctx_size: int | None, threads: int | None, **engine
+):  # fmt: skip
+    """The Model with a progress bar for a GPU upload; engine: Model's engine settings."""
     from fastrun.backends.cpu.backend import kernels_cached
     from fastrun.backends.cuda import cuda_available, require_cuda
     from fastrun.runner.api import Model
@@ -43,22 +59,23 @@ def load_model(model: str, backend: str, ctx_size: int | None, threads: int | No
     if backend == "cpu" and not kernels_cached():
         stderr_console.print("[dim]fastrun: compiling CPU kernels (first run only)...[/dim]")
     if backend != "cuda":
-        return Model(path, backend=backend, n_ctx=ctx_size, threads=threads)
+        return Model(path, backend=backend, n_ctx=ctx_size, threads=threads, **engine)
     require_cuda()  # before the bar is drawn
     with DownloadProgress() as bar:  # weights go to the GPU once, with a bar
         bar.start("upload to GPU", os.path.getsize(path))
-        m = Model(path, backend=backend, n_ctx=ctx_size, progress=bar.advance)
+        m = Model(path, backend=backend, n_ctx=ctx_size, progress=bar.advance, **engine)
         bar.done()
     return m
 
 
 def sampling(
-    max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence, frequency, seed, stop
-):
+    max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence, frequency, seed, stop,
+    ignore_eos=False,
+):  # fmt: skip
     return dict(
         max_tokens=max_tokens, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, presence_penalty=presence, frequency_penalty=frequency,
-        seed=seed, stop=tuple(stop or ()),
+        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
     )  # fmt: skip
 
 
@@ -84,15 +101,21 @@ def run(
         bool, typer.Option("--json", help="Print one JSON object at the end.")
     ] = False,
     ctx_size: CtxSize = None,
+    keep: Keep = 4,
+    no_context_shift: NoShift = False,
+    ignore_eos: IgnoreEos = False,
+    batch_size: BatchSize = 512,
     threads: Threads = None,
     backend: BackendOpt = "auto",
 ) -> None:
     """Generate a continuation of PROMPT; the text alone goes to stdout."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    m = load_model(model, backend, ctx_size, threads)
+    shift = not no_context_shift
+    engine = dict(parallel=1, batch_size=batch_size, n_keep=keep, context_shift=shift)
+    m = load_model(model, backend, ctx_size, threads, **engine)
     settings = sampling(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence_penalty,
-                        frequency_penalty, seed, stop)  # fmt: skip
+                        frequency_penalty, seed, stop, ignore_eos)  # fmt: skip
     if chat or system:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
@@ -104,13 +127,14 @@ def run(
         if not as_json:
             sys.stdout.write(piece)
             sys.stdout.flush()
-    done = m.last
+    done = pieces.completion
     if as_json:
         result = {
             "text": done.text,
             "tokens": done.tokens,
             "prompt_tokens": done.prompt_tokens,
             "finish_reason": done.finish_reason,
+            "context_shifts": done.context_shifts,
             "timings": {
                 "prefill_tokens_per_second": round(done.prefill_tps, 2),
                 "decode_tokens_per_second": round(done.decode_tps, 2),
@@ -141,6 +165,8 @@ def chat_command(
     seed: Seed = None,
     stop: Stop = None,
     ctx_size: CtxSize = None,
+    keep: Keep = 4,
+    no_context_shift: NoShift = False,
     threads: Threads = None,
     backend: BackendOpt = "auto",
 ) -> None:
@@ -148,7 +174,8 @@ def chat_command(
     from rich.console import Console
 
     console = Console(highlight=False)
-    m = load_model(model, backend, ctx_size, threads)
+    engine = dict(parallel=1, n_keep=keep, context_shift=not no_context_shift)
+    m = load_model(model, backend, ctx_size, threads, **engine)
     settings = sampling(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence_penalty,
                         frequency_penalty, seed, stop)  # fmt: skip
     messages = [{"role": "system", "content": system}] if system else []
@@ -202,7 +229,8 @@ def _print_stats(console, m) -> None:
     console.print(
         f"[dim]prompt {done.prompt_tokens} tokens ({done.prefilled_tokens} run, the rest cached) "
         f"at {done.prefill_tps:.1f} tok/s · reply {len(done.tokens)} tokens at "
-        f"{done.decode_tps:.1f} tok/s · context {m.cache.length}/{m.n_ctx}[/dim]"
+        f"{done.decode_tps:.1f} tok/s · context {done.prompt_tokens + len(done.tokens)}"
+        f"/{m.n_ctx}[/dim]"
     )
 
 
@@ -214,14 +242,28 @@ def bench(
     ] = 256,
     n_gen: Annotated[int, typer.Option("-n", "--n-gen", min=0, help="Generated tokens (tg).")] = 64,
     reps: Annotated[int, typer.Option("-r", "--repetitions", min=1)] = 3,
+    parallel: Annotated[
+        str | None,
+        typer.Option(
+            "--parallel",
+            help="Numbers of parallel sequences, e.g. 1,2,4,8,16: aggregate speed through the "
+            "batcher, as llama-batched-bench (-p and -n per sequence).",
+        ),
+    ] = None,
     threads: Threads = None,
     backend: BackendOpt = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Measure prompt processing and generation speed, as llama-bench does (mean ± sd)."""
-    from fastrun.runner.bench import run_bench
+    """Measure prompt processing and generation speed, as llama-bench does (mean ± sd), or with
+    --parallel the aggregate speed of parallel sequences, as llama-batched-bench."""
+    from fastrun.runner.bench import run_bench, run_parallel_bench
 
-    m = load_model(model, backend, max(n_prompt, n_gen) + 1, threads)
+    counts = _counts(parallel) if parallel else []
+    n_ctx = n_prompt + n_gen + 2
+    m = load_model(model, backend, n_ctx, threads, parallel=max(counts, default=1))
+    if counts:
+        _print_parallel(m, model, run_parallel_bench(m, counts, n_prompt, n_gen, reps), as_json)
+        return
     rows = run_bench(m, n_prompt, n_gen, reps)
     import numba
 
@@ -244,5 +286,35 @@ def bench(
         table.add_row(
             str(info["model"]), f"{info['size_mb']} MB", f"{info['params_m']} M", info["backend"],
             str(info["threads"]), row["test"], f"{row['mean']:.2f} ± {row['sd']:.2f}",
+        )  # fmt: skip
+    typer.echo(_render(table))
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise FastrunError(f"--parallel takes counts like 1,2,4,8: got {text!r}")
+    return counts
+
+
+def _print_parallel(m, model: str, rows: list[dict], as_json: bool) -> None:
+    info = {"model": m.file.get("general.name") or model, "backend": m.backend.name}
+    if as_json:
+        sys.stdout.write(json.dumps({**info, "results": rows}) + "\n")
+        return
+    from rich.table import Table
+
+    from fastrun.runner.cli import _render
+
+    table = Table("model", "backend", "PP", "TG", "B", "T_PP s", "S_PP t/s", "T_TG s",
+                  "S_TG t/s", "S t/s")  # fmt: skip
+    for r in rows:
+        table.add_row(
+            str(info["model"]), info["backend"], str(r["npp"]), str(r["ntg"]), str(r["npl"]),
+            f"{r['t_pp']:.3f}", f"{r['s_pp']:.2f}", f"{r['t_tg']:.3f}", f"{r['s_tg']:.2f}",
+            f"{r['s']:.2f}",
         )  # fmt: skip
     typer.echo(_render(table))

@@ -1,29 +1,34 @@
-"""Generation as a few small functions: prefill, decode step, and a streaming generator that
-applies the sampler, end-of-generation tokens, stop strings and the token budget."""
+"""What a sequence does with each token it samples: the Token pieces it emits, end-of-generation
+tokens, stop strings and the token budget, and the Completion that records it all. The engine
+(engine.py) runs one Continuation per sequence."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastrun.runner.kv_cache import KVCache
-from fastrun.runner.sampling import Candidates, Sampler, SamplingParams
+from fastrun.runner.sampling import SamplingParams
 
 
 class Token(str):
-    """A generated piece of text that also carries its token id (`.id`).
+    """A generated piece of text that also carries its token id (`.id`), and where the request
+    asked for them, its log-probability and the most likely alternatives
+    (`.top_logprobs`: [(id, logprob)], best first).
 
     The text can be empty while a multi-byte character is still incomplete.
     """
 
     id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
 
-    def __new__(cls, text: str, tid: int):
+    def __new__(cls, text: str, tid: int, logprob=None, top_logprobs=None):
         obj = super().__new__(cls, text)
         obj.id = tid
+        obj.logprob = logprob
+        obj.top_logprobs = top_logprobs
         return obj
 
 
@@ -32,12 +37,14 @@ class Completion:
     """What one generation produced; filled in while its stream runs."""
 
     prompt_tokens: int = 0
-    prefilled_tokens: int = 0  # prompt tokens actually run (the rest came from the cache)
+    prefilled_tokens: int = 0  # prompt tokens actually run (the rest came from cached cells)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop", "length" or "interrupted"
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "interrupted"
+    queue_seconds: float = 0.0  # waiting for a free sequence
+    prefill_seconds: float = 0.0  # from the start of its prefill to its first token
+    decode_seconds: float = 0.0  # from the first token to the last
+    context_shifts: int = 0
 
     @property
     def prefill_tps(self) -> float:
@@ -49,26 +56,9 @@ class Completion:
         n = max(len(self.tokens) - 1, 0)
         return n / self.decode_seconds if self.decode_seconds and n else 0.0
 
-
-def _last(out) -> np.ndarray | Candidates:
-    """The last token's logits, or its Candidates, from model.forward's result."""
-    if isinstance(out, tuple):
-        return Candidates(out[0][-1], out[1][-1])
-    return out[-1]
-
-
-def prefill(model, cache: KVCache, ids: list[int], top_k: int = 0):
-    """Bring the cache to hold `ids`, reusing its longest common prefix; returns the logits
-    after the last id (with top_k: its k most likely tokens, Candidates) and how many ids
-    were run."""
-    keep = min(cache.common_prefix(ids), len(ids) - 1)  # the last id always runs: its logits
-    cache.trim(keep)
-    return _last(model.forward(ids[keep:], cache, top_k=top_k)), len(ids) - keep
-
-
-def decode_step(model, cache: KVCache, token: int, top_k: int = 0):
-    """Run one token; returns the logits for the next (with top_k: Candidates)."""
-    return _last(model.forward([token], cache, top_k=top_k))
+    @property
+    def time_to_first_token(self) -> float:
+        return self.queue_seconds + self.prefill_seconds
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -82,53 +72,76 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-def stream(
-    model,
-    tokenizer,
-    cache: KVCache,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    out: Completion,
-) -> Iterator[Token]:
-    """Generate from a prompt, yielding text pieces as they become final; fills `out`."""
-    sampler = Sampler(params)
-    eog = tokenizer.eog_ids
-    decoder = tokenizer.stream_decoder()
-    out.prompt_tokens = len(prompt_ids)
-    t0 = time.perf_counter()
-    top_k = sampler.candidates  # on the GPU only these come back from the device
-    logits, out.prefilled_tokens = prefill(model, cache, prompt_ids, top_k)
-    out.prefill_seconds = time.perf_counter() - t0
-    pending = ""  # decoded text not yet emitted: it may be the start of a stop string
-    t0 = time.perf_counter()
-    try:
-        while True:
-            token = sampler(logits, cache.tokens)
-            if token in eog:
-                out.finish_reason = "stop"
-                break
-            out.tokens.append(token)
-            pending += decoder.push(token)
-            hit = min((i for i in (pending.find(s) for s in params.stop) if i >= 0), default=-1)
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    shifted = x - x.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+class Continuation:
+    """Turns the sampled tokens of one sequence into Token pieces: end-of-generation ids, the
+    incremental detokenizer, stop strings (text that could still become one is held back)
+    and the budget of max_tokens. `push` takes a token and returns the piece to emit (or
+    None) and whether generation is over; `finish` flushes what is held."""
+
+    def __init__(self, tokenizer, params: SamplingParams, out: Completion):
+        self.params = params
+        self.out = out
+        self.eog = frozenset() if params.ignore_eos else tokenizer.eog_ids
+        self.decoder = tokenizer.stream_decoder()
+        self.pending = ""  # decoded text not yet emitted: it may be the start of a stop string
+        self.started = time.perf_counter()
+
+    def push(self, token: int, logprobs: np.ndarray | None = None) -> tuple[Token | None, bool]:
+        out, params = self.out, self.params
+        if not out.tokens:
+            now = time.perf_counter()
+            out.prefill_seconds, self.started = now - self.started, now
+        if token in self.eog:
+            out.finish_reason = "stop"
+            return None, True
+        out.tokens.append(token)
+        self.pending += self.decoder.push(token)
+        logprob = top = None
+        if logprobs is not None:
+            logprob = float(logprobs[token])
+            n = params.logprobs or 0
+            best = np.argsort(-logprobs, kind="stable")[:n]
+            top = [(int(i), float(logprobs[i])) for i in best]
+        ready = len(self.pending)
+        if params.stop:
+            found = (self.pending.find(s) for s in params.stop)
+            hit = min((i for i in found if i >= 0), default=-1)
             if hit >= 0:
-                out.text += pending[:hit]
-                yield Token(pending[:hit], token)
+                out.text += self.pending[:hit]
+                piece = Token(self.pending[:hit], token, logprob, top)
+                self.pending = ""
                 out.finish_reason = "stop"
-                return
-            ready = len(pending) - _held_back(pending, params.stop)
-            out.text += pending[:ready]
-            yield Token(pending[:ready], token)
-            pending = pending[ready:]
-            if len(out.tokens) >= params.max_tokens or cache.free_slots == 0:
-                out.finish_reason = "length"
-                break
-            logits = decode_step(model, cache, token, top_k)
-        pending += decoder.flush()
-        if pending:
-            out.text += pending
-            yield Token(pending, out.tokens[-1] if out.tokens else -1)
-    except (KeyboardInterrupt, GeneratorExit):
-        out.finish_reason = "interrupted"
-        raise
-    finally:
-        out.decode_seconds = time.perf_counter() - t0
+                return piece, True
+            ready -= _held_back(self.pending, params.stop)
+        out.text += self.pending[:ready]
+        piece = Token(self.pending[:ready], token, logprob, top)
+        self.pending = self.pending[ready:]
+        if len(out.tokens) >= params.max_tokens:
+            out.finish_reason = "length"
+            return piece, True
+        return piece, False
+
+    def finish(self, reason: str | None = None) -> Token | None:
+        """End the generation (reason: why, unless push already said); returns the text still
+        held back, if any, as a last piece."""
+        out = self.out
+        if reason and out.finish_reason is None:
+            out.finish_reason = reason
+        if out.tokens:
+            out.decode_seconds = time.perf_counter() - self.started
+        else:
+            out.prefill_seconds = time.perf_counter() - self.started
+        if out.finish_reason not in ("stop", "length"):
+            return None
+        text = self.pending + self.decoder.flush()
+        self.pending = ""
+        if not text:
+            return None
+        out.text += text
+        return Token(text, out.tokens[-1] if out.tokens else -1)

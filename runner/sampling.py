@@ -27,6 +27,8 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (not emitted)
+    ignore_eos: bool = False  # end-of-generation tokens are never drawn (llama.cpp's flag)
+    logprobs: int | None = None  # None: off; n: each token's log-probability and the n best
 
     @classmethod
     def greedy(cls, **overrides) -> SamplingParams:
@@ -49,33 +51,43 @@ class Sampler:
     """Picks token ids from logits; owns the random generator, so the same seed gives the
     same tokens."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, banned: frozenset[int] = frozenset()):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self.banned = np.array(sorted(banned), np.int64)  # ids never drawn (ignore_eos)
+        self._banned = frozenset(banned)
+        self.candidates = self._candidates()
 
     @property
     def _penalized(self) -> bool:
         p = self.params
         return p.repeat_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
-    @property
-    def candidates(self) -> int:
+    def _candidates(self) -> int:
         """How many of the most likely tokens the sampler needs (Candidates); 0: it needs
-        the whole row of logits (penalties, or top-k off or above MAX_CANDIDATES)."""
+        the whole row of logits (penalties, log-probabilities, or top-k off or above
+        MAX_CANDIDATES). Banned ids may take places among them, so they count too."""
         p = self.params
-        if self._penalized:
+        if self._penalized or p.logprobs is not None:
             return 0
-        if p.temperature <= 0:
-            return 1
-        return p.top_k if 0 < p.top_k <= MAX_CANDIDATES else 0
+        k = 1 if p.temperature <= 0 else p.top_k
+        k += len(self.banned)
+        return k if 0 < k <= MAX_CANDIDATES and (p.temperature <= 0 or p.top_k > 0) else 0
 
     def __call__(self, logits: np.ndarray | Candidates, history: list[int]) -> int:
         p = self.params
         if isinstance(logits, Candidates):  # already the top k, best first
+            ids, values = logits.ids, logits.logits
             if p.temperature <= 0:
-                return int(logits.ids[0])
-            return self._draw(logits.ids, logits.logits.astype(np.float64))
+                return next(int(i) for i in ids if int(i) not in self._banned)
+            if self._banned:
+                keep = ~np.isin(ids, self.banned)
+                ids, values = ids[keep], values[keep]
+            return self._draw(ids[: p.top_k], values[: p.top_k].astype(np.float64))
         logits = np.asarray(logits, np.float32).reshape(-1)
+        if len(self.banned):
+            logits = logits.copy()
+            logits[self.banned[self.banned < logits.size]] = -np.inf
         if self._penalized:
             logits = self._penalize(
                 logits.copy(), history[-p.repeat_last_n :] if p.repeat_last_n else []

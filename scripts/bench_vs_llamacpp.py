@@ -11,6 +11,14 @@ Build llama-bench from the llama.cpp sources vendored in the llama-cpp-python sd
 
 Each model is measured by both tools back to back, `--rounds` times alternating, and the
 median of the rounds is reported with the ratio fastrun / llama.cpp.
+
+    python scripts/bench_vs_llamacpp.py --parallel 1,8 \\
+        --batched-bench /path/to/llama-batched-bench -p 16 -n 64 \\
+        smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
+
+compares parallel sequences instead: `fastrun bench --parallel` (through the engine's batcher)
+against `llama-batched-bench -npp P -ntg N -npl ...` built from the same sources: aggregate
+decode (S_TG) and overall (S) tokens per second per number of sequences.
 """
 
 from __future__ import annotations
@@ -41,6 +49,58 @@ def llama_bench(binary: str, path: str, p: int, n: int, r: int, threads: int) ->
     return result
 
 
+def fastrun_parallel(model: str, counts: str, p: int, n: int, r: int, threads: int) -> dict:
+    cmd = [sys.executable, "-m", "fastrun.runner.cli", "bench", model, "--parallel", counts,
+           "-p", str(p), "-n", str(n), "-r", str(r), "-t", str(threads), "--json"]  # fmt: skip
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return {row["npl"]: (row["s_tg"], row["s"]) for row in out["results"]}
+
+
+def batched_bench(binary: str, path: str, counts: str, p: int, n: int, threads: int) -> dict:
+    """llama-batched-bench's table rows: npl -> (S_TG, S)."""
+    most = max(int(c) for c in counts.split(","))
+    cmd = [binary, "-m", path, "-t", str(threads), "-c", str(most * (p + n) + 64), "-npp", str(p),
+           "-ntg", str(n), "-npl", counts]  # fmt: skip
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    result = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[0].isdigit():  # PP TG B N_KV T_PP S_PP T_TG S_TG T S
+            result[int(cells[2])] = (float(cells[7]), float(cells[9]))
+    return result
+
+
+def compare_parallel(args) -> None:
+    from fastrun.runner.registry import resolve_model
+
+    lines = [
+        "| model | sequences | fastrun S_TG | llama.cpp S_TG | ratio | fastrun S | llama.cpp S "
+        "| ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model in args.models:
+        path = str(resolve_model(model))
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(
+                fastrun_parallel(model, args.parallel, args.p, args.n, args.r, args.threads)
+            )
+            theirs.append(
+                batched_bench(args.batched_bench, path, args.parallel, args.p, args.n, args.threads)
+            )
+        for npl in sorted(ours[0]):
+            a_tg = statistics.median(o[npl][0] for o in ours)
+            b_tg = statistics.median(t[npl][0] for t in theirs)
+            a_s = statistics.median(o[npl][1] for o in ours)
+            b_s = statistics.median(t[npl][1] for t in theirs)
+            lines.append(
+                f"| {model} | {npl} | {a_tg:.1f} | {b_tg:.1f} | {a_tg / b_tg:.2f} | {a_s:.1f} | "
+                f"{b_s:.1f} | {a_s / b_s:.2f} |"
+            )
+        print("\n".join(lines), flush=True)
+        print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -52,7 +112,14 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per model")
+    ap.add_argument("--parallel", help="e.g. 1,8: parallel sequences against llama-batched-bench")
+    ap.add_argument(
+        "--batched-bench", default=os.environ.get("LLAMA_BATCHED_BENCH", "llama-batched-bench")
+    )
     args = ap.parse_args()
+    if args.parallel:
+        compare_parallel(args)
+        return
 
     from fastrun.runner.registry import resolve_model
 

@@ -5,10 +5,11 @@ device's copy bandwidth and a PyTorch fp16 peer measured in the same run.
     python scripts/gpu_bench.py                      # every shape, Q4_0 and Q4_K
     python scripts/gpu_bench.py --shapes llama2-7b --types Q4_0 --json out.json
 
-Per model: prefill (pp512) and decode (tg128 after --depth cached tokens, 512 unless told;
-llama-bench's own tg128 starts from an empty cache, --depth 0) at batch 1 and batch 16 (16
-sequences decoded together), tok/s, and the weight bytes streamed per decode step as a share
-of the measured device-to-device copy bandwidth.
+Per model: prefill (pp512) and decode (tg128 after --depth cached tokens, 512 unless told,
+several depths allowed; llama-bench's own tg128 starts from an empty cache, --depth 0) at batch
+1 and batch 16 (16 sequences decoded together), tok/s, and the weight bytes streamed per decode
+step as a share of the measured device-to-device copy bandwidth. --engine adds the same through
+the engine's batcher: one sequence alone, and requests joining and leaving 16 at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +70,7 @@ def timed(fn, repeat: int = 3) -> float:
 def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int, depth: int) -> dict:
     from fastrun.backends import get_backend
     from fastrun.formats.gguf import GGUFFile
+    from fastrun.runner.batch import Batch
     from fastrun.runner.models import model_class
 
     f = GGUFFile(str(path))
@@ -113,28 +116,92 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int, depth: int)
     tg = n_gen / timed(lambda: (cache.trim(length), decode(cache, n_gen)))
     out = {"pp": pp, "tg": tg, "weight_bytes": weight_bytes}
     if batch > 1:
-        batch_cache = model.new_batch_cache(batch, depth + n_gen + 8)
-        for s in range(batch):
+        cells = model.new_cells(batch, depth + n_gen + 8)
+        for seq in cells.sequences:
             if context:
-                model.forward(context, batch_cache.sequence(s))
-        length = batch_cache.sequence(0).length
+                model.forward(context, seq)
+        length = cells.sequences[0].length
         tokens = [1] * batch
 
         def decode_batch(steps):
             nonlocal tokens
             for _ in range(steps):
-                ids, _ = model.forward_batch(tokens, batch_cache, top_k=1)
+                step = Batch()
+                for seq, token in zip(cells.sequences, tokens, strict=True):
+                    step.add(seq, [token])
+                ids, _ = model.run(step, cells, top_k=1)
                 tokens = [int(t) for t in ids[:, 0]]
 
         decode_batch(2)
 
         def run():
-            for s in range(batch):
-                batch_cache.sequence(s).trim(length)
+            for seq in cells.sequences:
+                seq.trim(length)
             decode_batch(n_gen)
 
         out["tg_batch"] = batch * n_gen / timed(run)
+        cells.free()
     return out
+
+
+def bench_engine(path: Path, n_gen: int, parallel: int, depth: int, rounds: int = 4) -> dict:
+    """Through the engine's batcher: one sequence alone, then rounds * parallel requests with
+    lengths from n_gen / 2 to 3 n_gen / 2 that join as others leave (at most `parallel` at
+    once). Every prompt is one shared context of `depth` tokens (cached once, copied into each
+    new sequence) plus a token of its own. Returns decode tok/s alone and in aggregate."""
+    from fastrun.runner.api import Model
+
+    rng = np.random.default_rng(1)
+    context = [int(t) for t in rng.integers(0, 256, depth)]
+    m = Model(path, backend="cuda", n_ctx=depth + 2 * n_gen + 8, parallel=parallel)
+    greedy = dict(temperature=0, ignore_eos=True)
+    m.complete(context + [1], max_tokens=8, **greedy)  # warm-up; the context stays cached
+    plain = m.complete(context + [2], max_tokens=n_gen + 1, temperature=0)  # top-1 only
+    before = m.stats()
+    alone = m.complete(context + [2], max_tokens=n_gen + 1, **greedy)
+    after = m.stats()
+    steps = after["steps"] - before["steps"]
+    host_ms = (after["step_seconds"] - before["step_seconds"]) / steps * 1e3
+    pass_ms = (after["pass_seconds"] - before["pass_seconds"]) / steps * 1e3
+    for size in (1, 2, 4, 8, 16, 32, 64):  # capture every step size's graph before timing
+        if size <= parallel:
+            m.generate_batch([context + [3 + i] for i in range(size)], max_tokens=3, **greedy)
+    lengths = rng.integers(n_gen // 2, 3 * n_gen // 2 + 1, rounds * parallel)
+    samples, done = [], threading.Event()
+
+    def watch():  # (time, tokens generated, requests waiting) every 5 ms
+        while not done.is_set():
+            stats = m.stats()
+            samples.append((time.perf_counter(), stats["generated"], stats["queued"]))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    t0 = time.perf_counter()
+    streams = [
+        m.generate(context + [int(t)], max_tokens=int(n), **greedy)
+        for t, n in zip(rng.integers(0, 256, len(lengths)), lengths, strict=True)
+    ]
+    for stream in streams:
+        for _ in stream:
+            pass
+    wall = time.perf_counter() - t0
+    done.set()
+    watcher.join()
+    m.close()
+    # while requests wait, `parallel` sequences run: the steady state, before the tail where
+    # the last ones finish alone
+    busy = [s for s in samples if s[2] > 0]
+    steady = (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0]) if len(busy) > 2 else 0.0
+    return {
+        "engine_step_ms": host_ms,
+        "engine_pass_ms": pass_ms,
+        "engine_tg": alone.decode_tps,
+        "engine_tg_top1": plain.decode_tps,
+        "engine_batch": int(lengths.sum()) / wall,
+        "engine_steady": steady,
+        "engine_prefilled": int(sum(s.completion.prefilled_tokens for s in streams)),
+    }
 
 
 def bench_torch(shape: str, n_prompt: int, n_gen: int, depth: int) -> dict:
@@ -211,9 +278,12 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K"])
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
-    ap.add_argument("-d", "--depth", type=int, default=512, help="tokens cached before decode")
+    ap.add_argument(
+        "-d", "--depth", type=int, nargs="+", default=[512], help="tokens cached before decode"
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--engine", action="store_true", help="also through the engine's batcher")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     import cupy as cp
@@ -235,30 +305,46 @@ def main() -> None:
                     path, arch, qtype, d, ff, n_layer, h, hk, vocab, 4096, tied=False, fast=True
                 )
                 made = time.perf_counter() - t0
-                r = bench_fastrun(path, args.n_prompt, args.n_gen, args.batch, args.depth)
+                for depth in args.depth:
+                    r = bench_fastrun(path, args.n_prompt, args.n_gen, args.batch, depth)
+                    if args.engine:
+                        r.update(bench_engine(path, args.n_gen, args.batch, depth))
+                    r.update(shape=shape, type=qtype, peer="fastrun", write_s=made, depth=depth)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
                 path.unlink()
-                r.update(shape=shape, type=qtype, peer="fastrun", write_s=made, depth=args.depth)
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-            if not args.no_torch:
-                r = bench_torch(shape, args.n_prompt, args.n_gen, args.depth)
-                r.update(shape=shape, type="F16", peer="torch")
+            for depth in [] if args.no_torch else args.depth:
+                r = bench_torch(shape, args.n_prompt, args.n_gen, depth)
+                r.update(shape=shape, type="F16", peer="torch", depth=depth)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     print()
-    pp, tg = f"pp{args.n_prompt} tok/s", f"tg{args.n_gen} at depth {args.depth} tok/s"
+    pp, tg = f"pp{args.n_prompt} tok/s", f"tg{args.n_gen} tok/s"
     bt = f"batch {args.batch} tok/s"
-    print(f"| shape | weights | peer | {pp} | {tg} | % of copy bw | {bt} | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| shape | weights | peer | depth | {pp} | {tg} | % of copy bw | {bt} | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         share = r["weight_bytes"] * r["tg"] / copy * 100
         batch = "- | -"
         if "tg_batch" in r:
             batch = f"{r['tg_batch']:.0f} | {r['tg_batch'] / r['tg']:.2f}x"
         print(
-            f"| {r['shape']} | {r['type']} | {r['peer']} | {r['pp']:.0f} | {r['tg']:.0f} | "
+            f"| {r['shape']} | {r['type']} | {r['peer']} | {r['depth']} | {r['pp']:.0f} | "
+            f"{r['tg']:.0f} | "
             f"{share:.0f} % | {batch} |"
         )
+    for r in rows:
+        if "engine_tg" in r:
+            print(
+                f"engine, {r['shape']} {r['type']}, depth {r['depth']}: one sequence "
+                f"{r['engine_tg']:.0f} tok/s, {args.batch} joining and leaving "
+                f"{r['engine_batch']:.0f} tok/s = {r['engine_batch'] / r['engine_tg']:.2f}x, "
+                f"while all {args.batch} run {r['engine_steady']:.0f} tok/s = "
+                f"{r['engine_steady'] / r['engine_tg']:.2f}x ({r['engine_prefilled']} prompt "
+                f"tokens run); one sequence's step {r['engine_step_ms']:.3f} ms, of which the "
+                f"pass {r['engine_pass_ms']:.3f} ms; without --ignore-eos (a top-1 pick, "
+                f"{r['engine_tg_top1']:.0f} tok/s)"
+            )
     if args.json:
         args.json.write_text(json.dumps({"copy_bw": copy, "rows": rows}, indent=1))
 

@@ -81,20 +81,26 @@ def measure(model, backend, args) -> None:
 
     import cupy as cp
 
+    from fastrun.runner.batch import Batch
+
     n_ctx, prompt = args.n_prompt + args.steps + 8, list(range(1, args.n_prompt + 1))
     if args.batch == 1:
         cache = model.new_cache(n_ctx)
+        cells = cache.cells
         model.forward(prompt, cache)
 
         def step(tokens):
             return model.forward(tokens, cache, top_k=1)[0][-1:, 0]
     else:
-        cache = model.new_batch_cache(args.batch, n_ctx)
-        for s in range(args.batch):
-            model.forward(prompt, cache.sequence(s))
+        cells = model.new_cells(args.batch, n_ctx)
+        for seq in cells.sequences:
+            model.forward(prompt, seq)
 
         def step(tokens):
-            return model.forward_batch(tokens, cache, top_k=1)[0][:, 0]
+            batch = Batch()
+            for seq, token in zip(cells.sequences, tokens, strict=True):
+                batch.add(seq, [token])
+            return model.run(batch, cells, top_k=1)[0][:, 0]
 
     tokens = step([1] * args.batch)  # eager run + capture
     length = args.n_prompt + 1
@@ -111,9 +117,9 @@ def measure(model, backend, args) -> None:
         rate = args.batch / per
         print(f"pdl={pdl}: decode with the host {rate:.0f} tok/s ({per * 1e3:.3f} ms/step)")
     if args.replays:
-        for c in cache.sequences if args.batch > 1 else [cache]:
+        for c in cells.sequences:
             c.trim(length)
-        graph = next(g for (owner, _), g in backend._graphs.items() if owner == id(cache))
+        graph = next(g for (owner, *_), g in backend._graphs.items() if owner == id(cells))
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record(graph.stream)
         for _ in range(args.replays):
@@ -122,8 +128,7 @@ def measure(model, backend, args) -> None:
         stop.synchronize()
         ms = cp.cuda.get_elapsed_time(start, stop) / args.replays
         print(f"pdl={pdl}: graph replay alone {ms:.3f} ms/step")
-    if args.batch == 1:
-        cache.free()
+    cells.free()
 
 
 if __name__ == "__main__":

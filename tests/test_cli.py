@@ -62,7 +62,14 @@ def test_run_json_from_a_subprocess(smollm2_path):
     )
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert set(data) == {"text", "tokens", "prompt_tokens", "finish_reason", "timings"}
+    assert set(data) == {
+        "text",
+        "tokens",
+        "prompt_tokens",
+        "finish_reason",
+        "context_shifts",
+        "timings",
+    }
     assert (
         data["prompt_tokens"] == 5
         and len(data["tokens"]) == 8

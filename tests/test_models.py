@@ -8,6 +8,7 @@ from helpers import write_tiny_model
 from fastrun.backends import get_backend
 from fastrun.formats import FastrunError, GGUFFile
 from fastrun.runner.api import Model
+from fastrun.runner.batch import Batch
 from fastrun.runner.models import model_class
 
 
@@ -53,7 +54,7 @@ def test_prefix_reuse_and_rollback_give_the_same_logits(tiny_model):
     m = Model(tiny_model, n_ctx=64)
     ids = [5, 17, 200, 3, 99, 42, 7, 8, 9]
     fresh = m.transformer.forward(ids, m.transformer.new_cache(64))
-    cache = m.cache
+    cache = m.transformer.new_cache(64)
     m.transformer.forward(ids[:5], cache)
     m.transformer.forward([1, 2, 3], cache)  # a draft that gets rejected
     cache.trim(5)
@@ -83,17 +84,19 @@ def test_logprobs_shape_and_normalization(tiny_model):
 
 
 def test_batch_decode_matches_one_sequence_at_a_time(tiny_model):
-    """forward_batch over sequences of one BatchKVCache gives each sequence's own logits."""
+    """A pass over sequences of one KVCells gives each sequence its own logits."""
     f = GGUFFile(str(tiny_model))
     model = model_class(f.architecture)(f, get_backend("cpu"))
     prompts = [[5, 6, 7], [100, 3], [42, 43, 44, 45, 46]]
-    batch = model.new_batch_cache(3, 32)
+    cells = model.new_cells(3, 32)
     alone = []
     for s, p in enumerate(prompts):
-        model.forward(p, batch.sequence(s))
+        model.forward(p, cells.sequences[s])
         cache = model.new_cache(32)
         model.forward(p, cache)
         alone.append(model.forward([9], cache)[-1])
-    together = model.forward_batch([9, 9, 9], batch)
-    np.testing.assert_allclose(together, np.stack(alone), rtol=1e-5, atol=1e-5)
-    assert [batch.sequence(s).length for s in range(3)] == [4, 3, 6]
+    batch = Batch()
+    for s in cells.sequences:
+        batch.add(s, [9])
+    np.testing.assert_allclose(model.run(batch, cells), np.stack(alone), rtol=1e-5, atol=1e-5)
+    assert [s.length for s in cells.sequences] == [4, 3, 6]

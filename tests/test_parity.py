@@ -289,6 +289,54 @@ def test_attention_over_sequences_of_one_cache(backend):
     np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
 
 
+def _filled_cache(backend, rng, layers, rows, hk, hd):
+    """Reference and backend caches [layers, rows, hk, hd] holding the same random values."""
+    ref_kv = (ref.zeros((layers, rows, hk, hd)), ref.zeros((layers, rows, hk, hd)))
+    dev_kv = (backend.zeros((layers, rows, hk, hd)), backend.zeros((layers, rows, hk, hd)))
+    every = np.arange(rows, dtype=np.int32)
+    for layer in range(layers):
+        k, v = rng.standard_normal((2, rows, hk, hd)).astype(np.float32)
+        ref.kv_write(ref_kv[0][layer], ref_kv[1][layer], k, v, every)
+        backend.kv_write(
+            dev_kv[0][layer], dev_kv[1][layer], dev(backend, k), dev(backend, v), every
+        )
+    return ref_kv, dev_kv
+
+
+@pytest.mark.parametrize(
+    "src, dst, n, shift", [(10, 40, 20, 0), (20, 4, 30, -16), (4, 4, 8, 0), (30, 2, 7, -28)]
+)
+@pytest.mark.parametrize("neox", [False, True])
+def test_kv_copy(backend, src, dst, n, shift, neox):
+    """Cache rows copied across every layer, keys re-rotated by a shift (context shift), the
+    ranges overlapping or not; a key rotated to position p, then shifted by s, is the key
+    rotated to p + s."""
+    rng = np.random.default_rng(seed_of(src, dst, n, shift, neox))
+    layers, rows, hk, hd = 3, 64, 2, 64
+    cfg = RopeConfig(n_dims=hd, freq_base=1e4, neox=neox)
+    (k_ref, v_ref), (k_dev, v_dev) = _filled_cache(backend, rng, layers, rows, hk, hd)
+    ref.kv_copy(k_ref, v_ref, src, dst, n, shift, cfg)
+    backend.kv_copy(k_dev, v_dev, src, dst, n, shift, cfg)
+    np.testing.assert_allclose(host(backend, k_dev), k_ref, rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(host(backend, v_dev), v_ref)
+    if shift:  # the composition of rotations, against rotating once
+        x = rng.standard_normal((n, hk, hd)).astype(np.float32)
+        pos = np.arange(100, 100 + n, dtype=np.int32)
+        once = ref.rope(x.copy(), pos + shift, cfg)
+        k, v = (ref.zeros((1, rows, hk, hd)) for _ in range(2))
+        ref.kv_write(k[0], v[0], ref.rope(x.copy(), pos, cfg), x, np.arange(src, src + n))
+        ref.kv_copy(k, v, src, dst, n, shift, cfg)
+        np.testing.assert_allclose(k[0, dst : dst + n], once, rtol=0, atol=4e-3)
+
+
+def test_gather_rows(backend):
+    x = np.random.default_rng(14).standard_normal((9, 40)).astype(np.float32)
+    rows = np.array([8, 0, 3], np.int32)
+    np.testing.assert_array_equal(
+        host(backend, backend.gather_rows(dev(backend, x), rows)), x[rows]
+    )
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_matmul_many_tokens(backend, qtype):
     """Prefill-sized batches: a backend may take another path there (CUDA: fp16 weights and
@@ -306,7 +354,7 @@ def test_matmul_many_tokens(backend, qtype):
     np.testing.assert_allclose(got, exact, rtol=0, atol=1e-2 * np.abs(exact).max())
 
 
-@pytest.mark.parametrize("k", [1, 40, 64])
+@pytest.mark.parametrize("k", [1, 3, 40, 64])
 @pytest.mark.parametrize("vocab", [300, 49152, 152064])
 def test_top_k(backend, k, vocab):
     rng = np.random.default_rng(seed_of(k, vocab))

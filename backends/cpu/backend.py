@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from fastrun.backends.base import Backend, RopeConfig, Weight
@@ -71,12 +72,14 @@ class CPUBackend(Backend):
     name = "cpu"
 
     def __init__(self, threads: int | None = None):
-        import numba
-
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
         self._groups: dict[tuple[int, ...], _Group] = {}
         threads = threads or physical_cores()
-        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+        self.threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+        self.use_on_this_thread()
+
+    def use_on_this_thread(self):
+        numba.set_num_threads(self.threads)  # Numba keeps the count per calling thread
 
     def load_weight(self, raw, qtype, n_out, n_in):
         raw = np.asarray(raw).view()

@@ -53,6 +53,7 @@ ATTN_MAX_SPLITS = 128  # at most as many splits as the merge's threads (ops.cu)
 # attention splits: enough for about this many blocks (one query; a batch of queries), each
 # split at least a round of loads (7B shape, 16 sequences: 256 blocks 4.96 ms a step, 4096 6.05)
 ATTN_BLOCKS = (512, int(os.environ.get("FASTRUN_ATTN_BLOCKS", "256")))
+GRAPH_MAX_TOKENS = 64  # the largest decode step captured as a graph (step_size)
 SELECT_CHUNK, SELECT_MAX = 4096, 64  # logits per top_k block; the largest k (select.cu)
 _i32 = np.int32
 _NULL = np.uint64(0)  # a null pointer argument
@@ -153,6 +154,7 @@ class CUDABackend(Backend):
     name = "cuda"
 
     def __init__(self, device: int = 0):
+        self.device = device
         try:
             cp.cuda.Device(device).use()
         except cp.cuda.runtime.CUDARuntimeError as e:
@@ -169,6 +171,9 @@ class CUDABackend(Backend):
         # the last attention output and its 8-bit quantization (per 32), which the attention
         # kernel wrote along: the output projection takes it instead of quantizing again
         self._attn_act: tuple | None = None
+
+    def use_on_this_thread(self):
+        cp.cuda.Device(self.device).use()  # CuPy's current device is per thread
 
     # -- data movement ----------------------------------------------------------------------
 
@@ -192,6 +197,9 @@ class CUDABackend(Backend):
 
     def to_host(self, x):
         return host_result(cp.asnumpy(x))
+
+    def gather_rows(self, x, rows):
+        return x[cp.asarray(np.asarray(rows, np.int32))]
 
     @staticmethod
     def _ints(a):
@@ -466,18 +474,43 @@ class CUDABackend(Backend):
         self.k("attn_split")((h, splits, n), (128,), args)
         return out
 
+    def kv_copy(self, k_cache, v_cache, src, dst, n, shift=0, rope=None):
+        layers, rows = k_cache.shape[:2]
+        width = k_cache[0, 0].size
+        if not (0 <= src and src + n <= rows and 0 <= dst and dst + n <= rows) or n <= 0:
+            return
+        ks, vs = k_cache[:, src : src + n], v_cache[:, src : src + n]
+        if abs(src - dst) < n:  # overlapping rows: the kernel reads a copy
+            ks, vs = ks.copy(), vs.copy()
+        stride = ks.strides[0] // 2
+        if rope is None:
+            rope, shift = RopeConfig(n_dims=2), 0
+        powers, factors = self._rope_table(rope)
+        total = layers * n * width
+        args = (ks, vs, np.int64(stride), k_cache[:, dst:], v_cache[:, dst:])
+        args += (np.int64(k_cache.strides[0] // 2), _i32(layers), _i32(n), _i32(width))
+        args += (_i32(k_cache.shape[3]), _i32(shift), powers, _NULL if factors is None else factors)
+        args += (_i32(rope.n_dims), np.float32(rope.freq_scale), _i32(rope.neox))
+        self.k("kv_copy")(((total + 255) // 256,), (256,), args)
+
     # -- CUDA graphs ------------------------------------------------------------------------
 
-    def graph_step(self, owner, step, *vectors, tag=None):
-        """Run step(*vectors on the device) -> device array(s) as a CUDA graph: captured on
-        the first call for this owner (a KV cache, whose buffers the graph holds), tag (what
-        the step returns) and shape of inputs (int32 vectors: ids, positions, slots, starts),
-        replayed after. Returns the result(s) on the host."""
+    def step_size(self, n: int) -> int:
+        """Decode steps run as graphs captured per power-of-two bucket of tokens (1, 2, 4, ...
+        up to GRAPH_MAX_TOKENS), so sequences joining and leaving reuse the captured ones."""
+        if n > GRAPH_MAX_TOKENS:
+            return n
+        return 1 << max(0, (n - 1).bit_length())
+
+    def run_step(self, owner, key, step, *vectors):
+        """step(*vectors on the device) as a CUDA graph: captured on the first call for this
+        owner (the KV cells, whose buffers the graph holds), key and shape of inputs (int32
+        vectors: ids, positions, slots, starts), replayed after. Returns the host result(s)."""
         shape = (len(vectors), len(vectors[0]))
-        key = (id(owner), tag)
-        graph = self._graphs.get(key)
-        if graph is None or graph.owner() is not owner or graph.shape != shape:
-            # graphs of caches gone (a server's finished sessions) give back their memory
+        graph_key = (id(owner), key, shape)
+        graph = self._graphs.get(graph_key)
+        if graph is None or graph.owner() is not owner:
+            # graphs of cells gone (a closed model's) give back their memory
             for dead in [k for k, g in self._graphs.items() if g.owner() is None]:
                 del self._graphs[dead]
 
@@ -485,5 +518,5 @@ class CUDABackend(Backend):
                 with self.k.launch.recording():
                     return step(*inputs)
 
-            graph = self._graphs[key] = StepGraph(owner, recorded, *shape)
+            graph = self._graphs[graph_key] = StepGraph(owner, recorded, *shape)
         return graph(*vectors)

@@ -52,6 +52,8 @@ class StepGraph:
 
     def __call__(self, *vectors):
         self.staged[...] = vectors
+        # after the work already queued on the current stream (a copy of cells, a prefill)
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
         if self.graph is None:
             return self._capture()
         self.graph.launch(self.stream)

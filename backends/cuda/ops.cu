@@ -161,6 +161,41 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
     vc[dst] = __float2half_rn(v[idx]);
 }
 
+// Rows src .. src + n of every layer of the fp16 caches ks, vs to rows dst .. dst + n of kd, vd
+// ([layers, rows, width] each, layer strides in halves); keys rotated by `shift` positions as
+// rope would (a context shift moves the kept tokens down: shift < 0; a prefix copy: 0). One
+// thread an element; the first element of a rotated pair writes both. Source and destination
+// rows must not overlap (the host stages an overlapping move through scratch rows).
+extern "C" __global__ void kv_copy(const __half* __restrict__ ks, const __half* __restrict__ vs,
+                                   long long src_stride, __half* __restrict__ kd,
+                                   __half* __restrict__ vd, long long dst_stride, int layers,
+                                   int n, int width, int hd, int shift,
+                                   const float* __restrict__ powers,
+                                   const float* __restrict__ factors, int n_dims,
+                                   float freq_scale, int neox) {
+    pdl_start();
+    const long long per_layer = (long long)n * width;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= per_layer * layers) return;
+    const long long layer = idx / per_layer, at = idx % per_layer;
+    const long long src = layer * src_stride + at, dst = layer * dst_stride + at;
+    vd[dst] = vs[src];
+    const int e = at % hd, half = n_dims >> 1;  // element within its head
+    if (shift == 0 || e >= n_dims) {
+        kd[dst] = ks[src];
+        return;
+    }
+    const int i = neox ? (e < half ? e : e - half) : e >> 1;  // its pair
+    int ia, ib;
+    rope_pair(i, half, neox, ia, ib);
+    if (e != ia) return;
+    float s, c;
+    sincosf(rope_theta(shift, i, powers, factors, freq_scale), &s, &c);
+    const float a = __half2float(ks[src]), b = __half2float(ks[src + (ib - ia)]);
+    kd[dst] = __float2half_rn(a * c - b * s);
+    kd[dst + (ib - ia)] = __float2half_rn(a * s + b * c);
+}
+
 // ---- attention over the fp16 KV cache: split over the cache length, then combined ---------
 // Block (head, split, query) covers an equal share of the query's positions 0..pos (of the
 // sequence that starts at cache row starts[query]) in rounds of ATTN_DEPTH positions per lane

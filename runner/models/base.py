@@ -14,7 +14,8 @@ from fastrun.backends.base import Backend, RopeConfig
 from fastrun.formats import keys
 from fastrun.formats.errors import FastrunError
 from fastrun.formats.gguf import GGUFFile
-from fastrun.runner.kv_cache import BatchKVCache, KVCache
+from fastrun.runner.batch import Batch
+from fastrun.runner.kv_cache import KVCache, KVCells
 
 PREFILL_CHUNK = 512  # tokens per forward pass when prefilling a long prompt
 
@@ -105,7 +106,7 @@ class Layer:
 
 
 class Transformer:
-    """Weights plus the forward pass over a batch of tokens of one sequence."""
+    """Weights plus the forward pass over a batch of tokens of any sequences."""
 
     config_class = TransformerConfig
 
@@ -142,16 +143,18 @@ class Transformer:
         # the blocks below as one backend call where the backend has one (CPU: compiled)
         self._stack = backend.layer_stack(self.layers, c.rms_eps, c.rope, self.attn_scale)
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def new_cells(self, n_seq: int, n_ctx: int) -> KVCells:
+        """KV storage for n_seq sequences of n_ctx tokens each."""
         c = self.config
-        return KVCache(self.backend, c.n_layer, n_ctx, c.n_head_kv, c.head_dim)
+        return KVCells(self.backend, c.n_layer, n_seq, n_ctx, c.n_head_kv, c.head_dim)
 
-    def new_batch_cache(self, n_seq: int, n_ctx: int) -> BatchKVCache:
-        c = self.config
-        return BatchKVCache(self.backend, c.n_layer, n_seq, n_ctx, c.n_head_kv, c.head_dim)
+    def new_cache(self, n_ctx: int) -> KVCache:
+        """The cells of one sequence, alone in its storage."""
+        return self.new_cells(1, n_ctx).sequences[0]
 
     def forward(self, ids, cache: KVCache, all_logits: bool = False, top_k: int = 0):
-        """Run new tokens through the model, appending them to the cache.
+        """Run new tokens of one sequence through the model (in chunks of PREFILL_CHUNK),
+        appending them to its cache.
 
         Returns float32 logits on the host: [n, vocab] with all_logits, else [1, vocab] for
         the last token; with top_k (and not all_logits), only the last token's k most likely
@@ -159,80 +162,69 @@ class Transformer:
         """
         ids = np.asarray(ids, np.int32).reshape(-1)
         outputs = []
-        length = cache.length
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[start : start + PREFILL_CHUNK]
+            last = start + PREFILL_CHUNK >= len(ids)
+            batch = Batch()
+            batch.add(cache, chunk, "all" if all_logits else "last" if last else "none")
+            out = self.run(batch, cache.cells, 0 if all_logits else top_k)
+            if out is not None:
+                outputs.append(out)
+        if isinstance(outputs[0], tuple):
+            return outputs[0]
+        return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+
+    def run(self, batch: Batch, cells: KVCells, top_k: int = 0, capture: bool = True):
+        """One pass over a batch whose tokens' cells are in `cells`: their keys and values are
+        stored, and the logits of batch.outputs come back to the host, [m, vocab] float32, or
+        with top_k each output's k most likely tokens, (ids int32 [m, k], logits [m, k]);
+        None where the batch wants no logits. A decode step goes through the backend's
+        run_step (a CUDA graph per step size; capture=False runs it eagerly), padded to its
+        step_size with tokens that write only the cells' scratch row. A pass that does not
+        finish (an error, Ctrl-C) leaves the caches as they were."""
         try:
-            for start in range(0, len(ids), PREFILL_CHUNK):
-                chunk = ids[start : start + PREFILL_CHUNK]
-                last = start + PREFILL_CHUNK >= len(ids)
-                if all_logits or last:
-                    outputs.append(self._forward_chunk(chunk, cache, all_logits, top_k))
-                else:
-                    self._forward_chunk(chunk, cache, None)
-        except BaseException as e:  # Ctrl-C mid-pass: the cache must not claim unfinished tokens
-            cache.trim(length)
+            n, outputs = batch.n, batch.outputs
+            if len(outputs) == 0:  # an inner prefill chunk: only the cells change
+                return self._logits(batch.ids, batch.positions, batch.starts, cells, outputs, 0)
+            if not (capture and batch.is_decode):
+                out = self._logits(batch.ids, batch.positions, batch.starts, cells, outputs, top_k)
+                return tuple(map(self.backend.to_host, out)) if top_k else self.backend.to_host(out)
+            size = self.backend.step_size(n)
+            ids, positions, starts = (np.zeros(size, np.int32) for _ in range(3))
+            ids[:n], positions[:n], starts[:n] = batch.ids, batch.positions, batch.starts
+            starts[n:] = cells.pad_row
+
+            def step(ids, positions, starts):  # on the backend's own int32 vectors
+                return self._logits(ids, positions, starts, cells, None, top_k)
+
+            out = self.backend.run_step(cells, (size, top_k), step, ids, positions, starts)
+            return tuple(a[:n] for a in out) if top_k else out[:n]
+        except BaseException as e:  # the caches must not claim tokens of an unfinished pass
+            batch.rollback()
             if isinstance(e, SystemError) and _caused_by_interrupt(e):
                 # Ctrl-C while a compiled kernel returns surfaces as SystemError
                 raise KeyboardInterrupt from None
             raise
-        return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
 
-    def forward_batch(self, ids, batch: BatchKVCache, top_k: int = 0):
-        """One new token for each sequence of the batch; returns logits [n_seq, vocab], or
-        with top_k each sequence's k most likely tokens (ids [n_seq, k], logits [n_seq, k])."""
-        ids = np.asarray(ids, np.int32).reshape(-1)
-        seqs = batch.sequences[: len(ids)]
-        lengths = [s.length for s in seqs]
-        try:
-            positions = np.concatenate([s.append([t]) for s, t in zip(seqs, ids, strict=True)])
-            starts = np.array([s.base for s in seqs], np.int32)
-            return self._run(ids, positions, starts, batch, True, top_k)
-        except BaseException:
-            for s, n in zip(seqs, lengths, strict=True):
-                s.trim(n)
-            raise
-
-    def _forward_chunk(self, ids, cache: KVCache, all_logits: bool | None, top_k: int = 0):
-        positions = cache.append(ids)  # int32 [n]
-        starts = np.full(len(ids), cache.base, np.int32)
-        return self._run(ids, positions, starts, cache, all_logits, top_k)
-
-    def _run(self, ids, positions, starts, cache, all_logits: bool | None, top_k: int = 0):
-        """Host logits of a pass, or top_k's (ids, logits) (None for an inner prefill chunk);
-        starts: each token's sequence's first cache row, so its row is starts + position. A
-        pass of one token per sequence goes through the backend's graph_step where it has one
-        (CUDA graphs)."""
-        slots = (starts + positions).astype(np.int32)
-        graph_step = getattr(self.backend, "graph_step", None)
-        decode = all_logits is not None and (len(ids) == 1 or isinstance(cache, BatchKVCache))
-        if graph_step is not None and decode:
-
-            def step(*inputs):  # device ids, positions, slots and starts
-                return self._logits(*inputs, cache, all_logits, top_k)
-
-            return graph_step(cache, step, ids, positions, slots, starts, tag=top_k)
-        out = self._logits(ids, positions, slots, starts, cache, all_logits, top_k)
-        if out is None:
-            return None
-        return tuple(map(self.backend.to_host, out)) if top_k else self.backend.to_host(out)
-
-    def _logits(self, ids, positions, slots, starts, cache, all_logits, top_k: int = 0):
-        """Logits on the backend ([n, vocab], or [1, vocab] for the last token), or top_k's
-        (ids, logits) of them; None for an inner prefill chunk. The int arrays may be on the
-        host or the backend."""
+    def _logits(self, ids, positions, starts, cells: KVCells, outputs, top_k: int):
+        """Logits on the backend of the rows `outputs` (host int32; None: every row), or top_k's
+        (ids, logits) of them; None for outputs of length 0 (only the cache matters). ids,
+        positions and starts (each token's sequence's first cache row) may be on the host or
+        the backend."""
         b, c = self.backend, self.config
-        n = len(ids)
+        slots = starts + positions
         x = b.embed(self.token_embd, ids)  # [n, d]
         if self._stack is not None:  # the backend runs every block in one call
-            x = self._stack(x, cache.k, cache.v, positions, slots, starts)
+            x = self._stack(x, cells.k, cells.v, positions, slots, starts)
         else:
             for i, layer in enumerate(self.layers):
-                kv = (cache.k[i], cache.v[i])
+                kv = (cells.k[i], cells.v[i])
                 x = self._attention_block(x, layer, kv, positions, slots, starts)
                 x = self._ffn_block(x, layer)
-        if all_logits is None:  # an inner prefill chunk: only the cache matters
-            return None
-        if not all_logits:
-            x = x[n - 1 :]
+        if outputs is not None:
+            if len(outputs) == 0:
+                return None
+            x = b.gather_rows(x, outputs)
         x = b.rms_norm(x, self.output_norm, c.rms_eps)
         logits = b.matmul(x, self.output)
         return b.top_k(logits, top_k) if top_k else logits
