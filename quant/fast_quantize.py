@@ -68,66 +68,56 @@ def _int8_trunc(v):
 
 
 @nb.njit(inline="always", **_JIT)
-def _q_sym_block(x, i0, out, o, levels_half, five_bit):
-    """Q4_0 (levels_half 8) and Q5_0 (16): d = signed absmax / -levels_half."""
-    amax = _f32(0)
-    mx = _f32(0)
-    for j in range(32):
-        v = x[i0 + j]
-        if amax < abs(v):
-            amax = abs(v)
-            mx = v
-    d = mx / _f32(-levels_half)
+def _q45_block(x, i0, out, o, affine, five_bit):
+    """Q4_0/Q5_0 (symmetric: d = signed absmax / -8 or -16) and Q4_1/Q5_1 (affine: d = (max -
+    min) / 15 or 31, m = min). Levels are 4 bits in qs, the fifth bit (Q5) in a 32-bit qh."""
+    lo = _f32(0)
+    if affine:
+        lo = _f32(3.4028234663852886e38)  # FLT_MAX
+        hi = -lo
+        for j in range(32):
+            v = x[i0 + j]
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+        d = (hi - lo) / _f32(31 if five_bit else 15)
+        offset = _f32(0.5)
+    else:
+        amax = _f32(0)
+        mx = _f32(0)
+        for j in range(32):
+            v = x[i0 + j]
+            if amax < abs(v):
+                amax = abs(v)
+                mx = v
+        half_levels = 16 if five_bit else 8
+        d = mx / _f32(-half_levels)
+        offset = _f32(half_levels) + _f32(0.5)
     idv = _f32(1) / d if d != 0 else _f32(0)
     _put_f16(out, o, d)
-    offset = _f32(levels_half) + _f32(0.5)
-    top = 2 * levels_half - 1
+    if affine:
+        _put_f16(out, o + 2, lo)
+    top = 31 if five_bit else 15
+    clamp = not (affine and five_bit)  # Q5_1 converts straight to uint8; the others clamp
+    qh_at = o + (4 if affine else 2)
+    qs = qh_at + (4 if five_bit else 0)
     qh = 0
-    qs = o + (6 if five_bit else 2)
     for j in range(16):
-        a = min(top, _int8_trunc(x[i0 + j] * idv + offset)) & 255
-        b = min(top, _int8_trunc(x[i0 + 16 + j] * idv + offset)) & 255
+        # (x - 0) is x exactly, so the symmetric types compute C's x * id + offset
+        a = _int8_trunc((x[i0 + j] - lo) * idv + offset)
+        b = _int8_trunc((x[i0 + 16 + j] - lo) * idv + offset)
+        if clamp:
+            a = min(top, a)
+            b = min(top, b)
+        a &= 255
+        b &= 255
         out[qs + j] = (a & 15) | ((b & 15) << 4)
         qh |= ((a >> 4) & 1) << j
         qh |= ((b >> 4) & 1) << (j + 16)
     if five_bit:
         for k in range(4):
-            out[o + 2 + k] = (qh >> (8 * k)) & 255
-
-
-@nb.njit(inline="always", **_JIT)
-def _q_affine_block(x, i0, out, o, levels, five_bit):
-    """Q4_1 (levels 15) and Q5_1 (31): d = (max - min) / levels, m = min."""
-    lo = _f32(3.4028234663852886e38)  # FLT_MAX
-    hi = -lo
-    for j in range(32):
-        v = x[i0 + j]
-        if v < lo:
-            lo = v
-        if v > hi:
-            hi = v
-    d = (hi - lo) / _f32(levels)
-    idv = _f32(1) / d if d != 0 else _f32(0)
-    _put_f16(out, o, d)
-    _put_f16(out, o + 2, lo)
-    half = _f32(0.5)
-    qh = 0
-    qs = o + (8 if five_bit else 4)
-    for j in range(16):
-        va = (x[i0 + j] - lo) * idv + half
-        vb = (x[i0 + 16 + j] - lo) * idv + half
-        if five_bit:  # Q5_1 converts to uint8 as is; Q4_1 to int8, then clamps at 15
-            a = int(va) & 255
-            b = int(vb) & 255
-        else:
-            a = min(15, _int8_trunc(va)) & 255
-            b = min(15, _int8_trunc(vb)) & 255
-        out[qs + j] = (a & 15) | ((b & 15) << 4)
-        qh |= ((a >> 4) & 1) << j
-        qh |= ((b >> 4) & 1) << (j + 16)
-    if five_bit:
-        for k in range(4):
-            out[o + 4 + k] = (qh >> (8 * k)) & 255
+            out[qh_at + k] = (qh >> (8 * k)) & 255
 
 
 @nb.njit(inline="always", **_JIT)
@@ -153,13 +143,13 @@ def _quantize_32(x, out, kind):
         orow = out[r]
         for b in range(n // 32):
             if kind == 0:
-                _q_sym_block(xr, 32 * b, orow, 18 * b, 8, False)
+                _q45_block(xr, 32 * b, orow, 18 * b, False, False)
             elif kind == 1:
-                _q_affine_block(xr, 32 * b, orow, 20 * b, 15, False)
+                _q45_block(xr, 32 * b, orow, 20 * b, True, False)
             elif kind == 2:
-                _q_sym_block(xr, 32 * b, orow, 22 * b, 16, True)
+                _q45_block(xr, 32 * b, orow, 22 * b, False, True)
             elif kind == 3:
-                _q_affine_block(xr, 32 * b, orow, 24 * b, 31, True)
+                _q45_block(xr, 32 * b, orow, 24 * b, True, True)
             else:
                 _q8_0_block(xr, 32 * b, orow, 34 * b)
 
