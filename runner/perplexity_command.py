@@ -37,7 +37,9 @@ def perplexity(
         typer.Option("--kl-divergence", help="Compare against log-probabilities saved before."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing base.")] = False,
-    threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
+    threads: Annotated[
+        int | None, typer.Option("-t", "--threads", min=1, help="CPU threads (default: all).")
+    ] = None,
     backend: Annotated[str, typer.Option("--backend", help="cpu, cuda or auto.")] = "auto",
 ) -> None:
     """Perplexity of a model on a text, chunk by chunk as llama-perplexity computes it."""

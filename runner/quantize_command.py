@@ -30,7 +30,9 @@ def quantize(
         bool, typer.Option("--allow-requantize", help="Accept an already quantized input.")
     ] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")] = False,
-    threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
+    threads: Annotated[
+        int | None, typer.Option("-t", "--threads", min=1, help="CPU threads (default: all).")
+    ] = None,
 ) -> None:
     """Quantize a GGUF model; which tensor gets which type follows llama-quantize."""
     from fastrun.quant.recipes import file_type
