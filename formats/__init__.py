@@ -1,4 +1,5 @@
-"""GGUF file access: the reader, the key/name tables and the project's error types."""
+"""GGUF file access: the reader, the key/name tables and the project's error types (the
+streaming writer is formats.writer)."""
 
 from fastrun.formats.errors import FastrunError, GGUFError
 

@@ -25,7 +25,7 @@ MAX_DIMS = 4
 MAX_STRING = 1 << 30  # a single metadata string longer than 1 GiB is not a real file
 
 # Metadata value types: id -> (struct code, numpy dtype); 8 = string and 9 = array are special.
-_SCALARS = {
+SCALAR_TYPES = {
     0: ("B", np.uint8),
     1: ("b", np.int8),
     2: ("H", np.uint16),
@@ -38,7 +38,7 @@ _SCALARS = {
     11: ("q", np.int64),
     12: ("d", np.float64),
 }
-_STRING, _ARRAY = 8, 9
+STRING_TYPE, ARRAY_TYPE = 8, 9
 
 
 @dataclass(frozen=True)
@@ -161,12 +161,21 @@ class GGUFFile:
             raise GGUFError(f"absurd counts: {n_tensors} tensors, {n_kv} metadata pairs")
 
         self.metadata: dict[str, object] = {}
+        # key -> (value type, item type of an array or None, byte span of the value): what a
+        # writer needs to copy a value exactly
+        self.metadata_types: dict[str, tuple[int, int | None, tuple[int, int]]] = {}
         for _ in range(n_kv):
             key = cur.string("metadata key")
             vtype = cur.scalar("I", f"type of {key}")
             if key in self.metadata:
                 raise GGUFError(f"duplicate metadata key {key!r}")
+            item_type = None
+            if vtype == ARRAY_TYPE:
+                cur.need(4, f"item type of {key}")
+                (item_type,) = struct.unpack_from("<I", self._mm, cur.pos)
+            start = cur.pos
             self.metadata[key] = self._value(cur, vtype, key)
+            self.metadata_types[key] = (vtype, item_type, (start, cur.pos))
 
         alignment = self.metadata.get(keys.ALIGNMENT, DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -214,26 +223,26 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, fmt, shape, start, n_bytes)
 
     def _value(self, cur: _Cursor, vtype: int, key: str):
-        if vtype in _SCALARS:
-            return cur.scalar(_SCALARS[vtype][0], key)
-        if vtype == _STRING:
+        if vtype in SCALAR_TYPES:
+            return cur.scalar(SCALAR_TYPES[vtype][0], key)
+        if vtype == STRING_TYPE:
             return cur.string(key)
-        if vtype != _ARRAY:
+        if vtype != ARRAY_TYPE:
             raise GGUFError(f"metadata {key}: unknown value type {vtype}")
         itype = cur.scalar("I", f"item type of {key}")
         n = cur.scalar("Q", f"length of {key}")
-        if itype in _SCALARS:
-            dtype = np.dtype(_SCALARS[itype][1]).newbyteorder("<")
+        if itype in SCALAR_TYPES:
+            dtype = np.dtype(SCALAR_TYPES[itype][1]).newbyteorder("<")
             cur.need(n * dtype.itemsize, f"array {key} of {n} items")
             arr = self._data[cur.pos : cur.pos + n * dtype.itemsize].view(dtype)
             cur.pos += n * dtype.itemsize
             return arr
-        if itype == _STRING:
+        if itype == STRING_TYPE:
             cur.need(n * 8, f"array {key} of {n} strings")  # each string has an 8-byte length
             return _read_strings(cur, n, key)
-        if itype == _ARRAY:
+        if itype == ARRAY_TYPE:
             cur.need(n * 12, f"array {key} of {n} arrays")
-            return [self._value(cur, _ARRAY, key) for _ in range(n)]
+            return [self._value(cur, ARRAY_TYPE, key) for _ in range(n)]
         raise GGUFError(f"metadata {key}: unknown array item type {itype}")
 
     # -- access ----------------------------------------------------------------------------
@@ -264,6 +273,11 @@ class GGUFFile:
         if info is None:
             raise GGUFError(f"{os.path.basename(self.path)}: missing tensor {name}")
         return info
+
+    @property
+    def raw_bytes(self) -> mmap.mmap:
+        """The whole file, read-only; a slice of it is bytes."""
+        return self._mm
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """Zero-copy read-only uint8 view [rows, row_bytes] of a tensor's data."""

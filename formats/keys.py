@@ -5,6 +5,8 @@ ARCHITECTURE = "general.architecture"
 NAME = "general.name"
 ALIGNMENT = "general.alignment"
 FILE_TYPE = "general.file_type"
+QUANTIZATION_VERSION = "general.quantization_version"
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
 CONTEXT_LENGTH = "{arch}.context_length"
 EMBEDDING_LENGTH = "{arch}.embedding_length"

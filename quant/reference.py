@@ -247,6 +247,163 @@ def _quant_q8_k(x, out):
     out["bsums"] = q.reshape(-1, 16, 16).astype(np.int16).sum(axis=2, dtype=np.int16)
 
 
+# K-quants: llama.cpp's search for each sub-block's scale (and min), vectorized over
+# sub-blocks. Sums run element by element in float32, in C's order, so that every rounding
+# matches; a NumPy reduction (pairwise) would not.
+
+
+def _f16_trip(x) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(_f16).astype(np.float32)
+
+
+def _seq_sum(terms) -> np.ndarray:
+    """Sum of [S, n] float32 terms along n, left to right."""
+    total = terms[:, 0].copy()
+    for i in range(1, terms.shape[1]):
+        total += terms[:, i]
+    return total
+
+
+def _nearest(v) -> np.ndarray:
+    return np.rint(v).astype(np.int32)
+
+
+def _scale_min_search(x, w, nmax, rmin, rdelta, nstep):
+    """make_qkx2_quants: per row of x [S, n], (scale, minus the min, levels [S, n])."""
+    f32 = np.float32
+    mn = np.minimum(x.min(axis=1), f32(0))
+    mx = x.max(axis=1)
+    sum_w = _seq_sum(w)
+    sum_x = _seq_sum(w * x)
+    span = mx - mn
+    iscale = f32(nmax) / span
+    scale = f32(1) / iscale
+    levels = np.clip(_nearest(iscale[:, None] * (x - mn[:, None])), 0, nmax)
+    diff = scale[:, None] * levels.astype(f32) + mn[:, None] - x
+    best = _seq_sum(w * (diff * diff))
+    for step in range(nstep + 1):
+        iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (mx - mn)
+        aux = np.clip(_nearest(iscale[:, None] * (x - mn[:, None])), 0, nmax)
+        lq = aux.astype(f32)
+        sum_l = _seq_sum(w * lq)
+        sum_l2 = _seq_sum(w * lq * lq)
+        sum_xl = _seq_sum(w * lq * x)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        positive = this_min > 0
+        this_min = np.where(positive, f32(0), this_min)
+        this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
+        diff = this_scale[:, None] * lq + this_min[:, None] - x
+        err = _seq_sum(w * (diff * diff))
+        better = (det > 0) & (err < best)
+        levels[better] = aux[better]
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        mn = np.where(better, this_min, mn)
+    flat = span == 0
+    levels[flat] = 0
+    return np.where(flat, f32(0), scale), -mn, levels
+
+
+def _quant_k45(x, out, nmax, rmin, nstep):
+    """Q4_K (nmax 15) and Q5_K (31): 8 sub-blocks of 32, 6-bit scales and mins."""
+    f32 = np.float32
+    nb = x.shape[0]
+    xs = x.reshape(nb * 8, 32)
+    av_x = np.sqrt(_seq_sum(xs * xs) / f32(32))
+    w = av_x[:, None] + np.abs(xs)
+    scales, mins, levels = _scale_min_search(xs, w, nmax, rmin, 0.1, nstep)
+    scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
+    max_scale = np.maximum(scales.max(axis=1), f32(0))
+    max_min = np.maximum(mins.max(axis=1), f32(0))
+    inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0))
+    inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0))
+    ls = np.minimum(63, _nearest(inv_scale[:, None] * scales) & 255)
+    lm = np.minimum(63, _nearest(inv_min[:, None] * mins) & 255)
+    packed = np.zeros((nb, 12), np.int32)
+    packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
+    out["d"], out["dmin"] = max_scale / f32(63), max_min / f32(63)
+    out["scales"] = packed
+    sc, mn = k_scales_mins(packed)
+    d = _f16_trip(out["d"])[:, None] * sc.astype(f32)
+    dm = _f16_trip(out["dmin"])[:, None] * mn.astype(f32)
+    levels = levels.reshape(nb, 8, 32)
+    requant = np.clip(_nearest((x.reshape(nb, 8, 32) + dm[:, :, None]) / d[:, :, None]), 0, nmax)
+    q = np.where((d != 0)[:, :, None], requant, levels).reshape(nb, 4, 2, 32)
+    if nmax == 15:
+        out["qs"] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(nb, 128)
+        return
+    out["qs"] = ((q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)).reshape(nb, 128)
+    bits = (q >> 4).transpose(0, 3, 1, 2).reshape(nb, 32, 8)  # [block, l, sub-block]
+    out["qh"] = (bits << np.arange(8)).sum(axis=2)
+
+
+def _quant_q4_k(x, out):
+    _quant_k45(x, out, 15, -1.0, 20)
+
+
+def _quant_q5_k(x, out):
+    _quant_k45(x, out, 31, -0.5, 15)
+
+
+def _symmetric_search(x, nmax):
+    """make_qx_quants with weights x**2: per row of x [S, n], (scale, levels + nmax)."""
+    f32 = np.float32
+    rows = np.arange(x.shape[0])
+    mx = x[rows, np.abs(x).argmax(axis=1)]
+    zero = np.abs(mx) < f32(1e-15)
+    w = x * x
+
+    def attempt(iscale):
+        q = np.clip(_nearest(iscale[:, None] * x), -nmax, nmax - 1)
+        lq = q.astype(f32)
+        return q, _seq_sum(w * x * lq), _seq_sum(w * lq * lq)
+
+    q, sumlx, suml2 = attempt(f32(-nmax) / mx)
+    levels = q + nmax
+    scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        q, sumlx, suml2 = attempt(-(f32(nmax) + f32(0.1) * f32(step)) / mx)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        levels[better] = q[better] + nmax
+        scale = np.where(better, sumlx / suml2, scale)
+        best = np.where(better, scale * sumlx, best)
+    levels[zero] = 0
+    return np.where(zero, f32(0), scale), levels
+
+
+def _quant_q6_k(x, out):
+    """Q6_K: 16 sub-blocks of 16 with int8 scales under one fp16 scale."""
+    f32 = np.float32
+    nb = x.shape[0]
+    scales, levels = _symmetric_search(x.reshape(nb * 16, 16), 32)
+    scales, levels = scales.reshape(nb, 16), levels.reshape(nb, 16, 16)
+    max_scale = scales[np.arange(nb), np.abs(scales).argmax(axis=1)]
+    zero = np.abs(max_scale) < f32(1e-15)
+    iscale = f32(-128) / max_scale
+    out["d"] = f32(1) / iscale
+    sc = (np.minimum(127, _nearest(iscale[:, None] * scales)) & 255).astype(np.uint8).view(np.int8)
+    out["scales"] = sc
+    d = _f16_trip(out["d"])[:, None] * sc.astype(f32)
+    requant = np.clip(_nearest(x.reshape(nb, 16, 16) / d[:, :, None]), -32, 31) + 32
+    q = np.where((d != 0)[:, :, None], requant, levels).reshape(nb, 2, 4, 32)
+    low = q & 15
+    out["ql"] = np.concatenate(
+        [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2
+    ).reshape(nb, 128)
+    high = q >> 4
+    out["qh"] = (
+        high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    ).reshape(nb, 64)
+    out[zero] = np.zeros(1, out.dtype)
+
+
 _QUANT = {
     "Q4_0": _quant_q4_0,
     "Q4_1": _quant_q4_1,
@@ -255,6 +412,9 @@ _QUANT = {
     "Q8_0": _quant_q8_0,
     "Q8_1": _quant_q8_1,
     "Q8_K": _quant_q8_k,
+    "Q4_K": _quant_q4_k,
+    "Q5_K": _quant_q5_k,
+    "Q6_K": _quant_q6_k,
 }
 
 
@@ -293,6 +453,6 @@ def quantize_ref(x: np.ndarray, qtype: str | int) -> np.ndarray:
         raise GGUFError(f"{fmt.name}: {x.size} values are not a whole number of blocks")
     blocks = x.reshape(-1, fmt.block_size)
     out = np.zeros(blocks.shape[0], BLOCK_DTYPES[fmt.name])
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         _QUANT[fmt.name](blocks, out)
     return out.view(np.uint8)

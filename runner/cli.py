@@ -154,6 +154,8 @@ def info(
 def _load_commands() -> None:
     """Import the modules that add the generation commands (kept out of --version's path)."""
     import fastrun.runner.commands  # noqa: F401
+    import fastrun.runner.perplexity_command  # noqa: F401
+    import fastrun.runner.quantize_command  # noqa: F401
     import fastrun.runner.serve_command  # noqa: F401
 
 

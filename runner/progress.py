@@ -7,7 +7,9 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskProgressColumn,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -52,3 +54,32 @@ class DownloadProgress:
         if self._task is not None:
             task = self._progress.tasks[self._task]
             self._progress.update(self._task, total=task.completed)
+
+
+class WorkProgress:
+    """One bar over a known amount of work (weights, chunks) with the current item's name."""
+
+    def __init__(self, console: Console = stderr_console):
+        self._progress = Progress(
+            TextColumn("[bold]{task.description:<30.30}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self._task = None
+
+    def __enter__(self):
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._progress.stop()
+
+    def start(self, total: int) -> None:
+        self._task = self._progress.add_task("", total=total)
+
+    def advance(self, n: int, name: str = "") -> None:
+        self._progress.update(self._task, advance=n, description=name)

@@ -20,7 +20,7 @@ def fastrun(*args, input=None, timeout=300):
 def test_version_and_help():
     r = fastrun("--version")
     assert r.returncode == 0 and r.stdout.startswith("fastrun ")
-    for cmd in ("info", "pull", "run", "chat", "serve"):
+    for cmd in ("info", "pull", "run", "chat", "serve", "quantize", "perplexity"):
         r = fastrun(cmd, "--help")
         assert r.returncode == 0, (cmd, r.stderr)
 

@@ -1,0 +1,450 @@
+"""Numba quantizers: float32 rows to raw GGML blocks, byte for byte as llama.cpp writes them.
+
+Each kernel follows llama.cpp's `quantize_row_*_ref` (ggml-quants.c), the path llama-quantize
+takes without an importance matrix, in the same float32 operation order (ggml-quants.c is built
+for baseline x86-64, so nothing there is fused or reassociated). Every scalar is kept float32 on
+purpose: one float64 intermediate would change a rounding somewhere in a large tensor.
+Rows are independent: the kernels release the GIL (nogil) and callers run slabs of rows on
+several threads at once (quant.pipeline), which keeps every thread busy across tensor borders
+instead of meeting at a barrier after each parallel call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+
+from fastrun.formats.errors import GGUFError
+from fastrun.quant.fast import f16_round
+from fastrun.quant.formats import block_format
+
+_JIT = dict(nogil=True, cache=True, fastmath=False)
+_f32 = np.float32
+GROUP_MAX_EPS = np.float32(1e-15)
+
+
+@nb.njit(inline="always", **_JIT)
+def f16_bits(x):
+    """IEEE half bits of x rounded to nearest, ties to even (as GGML_FP32_TO_FP16)."""
+    if x != x:
+        return 0x7E00
+    r = f16_round(x)
+    sign = 0x8000 if (r < 0 or (r == 0 and math.copysign(1.0, r) < 0)) else 0
+    a = abs(r)
+    if a == 0:
+        return sign
+    if a == np.inf:
+        return sign | 0x7C00
+    _, e = math.frexp(a)  # a = m * 2**e with 0.5 <= m < 1, so the half exponent is e + 14
+    biased = e + 14
+    if biased <= 0:  # subnormal: a whole number of 2**-24 steps
+        return sign | int(a * 16777216.0)
+    mantissa = int((a / 2.0 ** (e - 1) - 1.0) * 1024.0)
+    return sign | (biased << 10) | mantissa
+
+
+@nb.njit(inline="always", **_JIT)
+def _put_f16(out, o, x):
+    h = f16_bits(x)
+    out[o] = h & 255
+    out[o + 1] = h >> 8
+
+
+@nb.njit(inline="always", **_JIT)
+def nearest_int(v):
+    """llama.cpp's nearest_int: round half to even (the 1.5 * 2**23 trick)."""
+    return int(np.rint(v))
+
+
+@nb.njit(inline="always", **_JIT)
+def _int8_trunc(v):
+    """C's (int8_t) conversion of a float: truncation toward zero, wrapped to 8 bits."""
+    return ((int(v) + 128) & 255) - 128
+
+
+# -- 32-blocks ----------------------------------------------------------------------------------
+
+
+@nb.njit(inline="always", **_JIT)
+def _q45_block(x, i0, out, o, affine, five_bit):
+    """Q4_0/Q5_0 (symmetric: d = signed absmax / -8 or -16) and Q4_1/Q5_1 (affine: d = (max -
+    min) / 15 or 31, m = min). Levels are 4 bits in qs, the fifth bit (Q5) in a 32-bit qh."""
+    lo = _f32(0)
+    if affine:
+        lo = _f32(3.4028234663852886e38)  # FLT_MAX
+        hi = -lo
+        for j in range(32):
+            v = x[i0 + j]
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+        d = (hi - lo) / _f32(31 if five_bit else 15)
+        offset = _f32(0.5)
+    else:
+        amax = _f32(0)
+        mx = _f32(0)
+        for j in range(32):
+            v = x[i0 + j]
+            if amax < abs(v):
+                amax = abs(v)
+                mx = v
+        half_levels = 16 if five_bit else 8
+        d = mx / _f32(-half_levels)
+        offset = _f32(half_levels) + _f32(0.5)
+    idv = _f32(1) / d if d != 0 else _f32(0)
+    _put_f16(out, o, d)
+    if affine:
+        _put_f16(out, o + 2, lo)
+    top = 31 if five_bit else 15
+    clamp = not (affine and five_bit)  # Q5_1 converts straight to uint8; the others clamp
+    qh_at = o + (4 if affine else 2)
+    qs = qh_at + (4 if five_bit else 0)
+    qh = 0
+    for j in range(16):
+        # (x - 0) is x exactly, so the symmetric types compute C's x * id + offset
+        a = _int8_trunc((x[i0 + j] - lo) * idv + offset)
+        b = _int8_trunc((x[i0 + 16 + j] - lo) * idv + offset)
+        if clamp:
+            a = min(top, a)
+            b = min(top, b)
+        a &= 255
+        b &= 255
+        out[qs + j] = (a & 15) | ((b & 15) << 4)
+        qh |= ((a >> 4) & 1) << j
+        qh |= ((b >> 4) & 1) << (j + 16)
+    if five_bit:
+        for k in range(4):
+            out[qh_at + k] = (qh >> (8 * k)) & 255
+
+
+@nb.njit(inline="always", **_JIT)
+def _q8_0_block(x, i0, out, o):
+    amax = _f32(0)
+    for j in range(32):
+        amax = max(amax, abs(x[i0 + j]))
+    d = amax / _f32(127)
+    idv = _f32(1) / d if d != 0 else _f32(0)
+    _put_f16(out, o, d)
+    for j in range(32):
+        v = x[i0 + j] * idv
+        q = math.floor(abs(v) + 0.5)  # roundf: half away from zero (exact in float64)
+        out[o + 2 + j] = int(q if v >= 0 else -q) & 255
+
+
+@nb.njit(**_JIT)
+def _quantize_32(x, out, kind):
+    """Rows of x [n_rows, n] into out [n_rows, row_bytes]; kind selects the format."""
+    n_rows, n = x.shape
+    for r in range(n_rows):
+        xr = x[r]
+        orow = out[r]
+        for b in range(n // 32):
+            if kind == 0:
+                _q45_block(xr, 32 * b, orow, 18 * b, False, False)
+            elif kind == 1:
+                _q45_block(xr, 32 * b, orow, 20 * b, True, False)
+            elif kind == 2:
+                _q45_block(xr, 32 * b, orow, 22 * b, False, True)
+            elif kind == 3:
+                _q45_block(xr, 32 * b, orow, 24 * b, True, True)
+            else:
+                _q8_0_block(xr, 32 * b, orow, 34 * b)
+
+
+_KIND_32 = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4}
+
+
+# -- K-quants -----------------------------------------------------------------------------------
+
+
+@nb.njit(inline="always", **_JIT)
+def make_qkx2_quants(x, x0, n, nmax, w, L, l0, Laux, rmin, rdelta, nstep):
+    """Scale and min of one sub-block x[x0:x0+n] by llama.cpp's search over candidate scales.
+
+    Writes the levels into L[l0:l0+n] and returns (scale, -min); use_mad is always false here.
+    """
+    mn = x[x0]
+    mx = x[x0]
+    sum_w = w[0]
+    sum_x = sum_w * x[x0]
+    for i in range(1, n):
+        xi = x[x0 + i]
+        if xi < mn:
+            mn = xi
+        if xi > mx:
+            mx = xi
+        sum_w += w[i]
+        sum_x += w[i] * xi
+    if mn > 0:
+        mn = _f32(0)
+    if mx == mn:
+        for i in range(n):
+            L[l0 + i] = 0
+        return _f32(0), -mn
+    iscale = _f32(nmax) / (mx - mn)
+    scale = _f32(1) / iscale
+    best_error = _f32(0)
+    for i in range(n):
+        q = max(0, min(nmax, nearest_int(iscale * (x[x0 + i] - mn))))
+        L[l0 + i] = q
+        diff = scale * _f32(q) + mn - x[x0 + i]
+        best_error += w[i] * (diff * diff)
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * _f32(step) + _f32(nmax)) / (mx - mn)
+        sum_l = _f32(0)
+        sum_l2 = _f32(0)
+        sum_xl = _f32(0)
+        for i in range(n):
+            q = max(0, min(nmax, nearest_int(iscale * (x[x0 + i] - mn))))
+            Laux[i] = q
+            lq = _f32(q)
+            sum_l += w[i] * lq
+            sum_l2 += w[i] * lq * lq
+            sum_xl += w[i] * lq * x[x0 + i]
+        det = sum_w * sum_l2 - sum_l * sum_l
+        if det > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            if this_min > 0:
+                this_min = _f32(0)
+                this_scale = sum_xl / sum_l2
+            cur_error = _f32(0)
+            for i in range(n):
+                diff = this_scale * _f32(Laux[i]) + this_min - x[x0 + i]
+                cur_error += w[i] * (diff * diff)
+            if cur_error < best_error:
+                for i in range(n):
+                    L[l0 + i] = Laux[i]
+                best_error = cur_error
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
+
+
+@nb.njit(inline="always", **_JIT)
+def _k_scale_min(s, j):
+    if j < 4:
+        return s[j] & 63, s[j + 4] & 63
+    return (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
+
+
+@nb.njit(inline="always", **_JIT)
+def _qk45_block(x, x0, out, o, nmax, rmin, nstep, L, Laux, w, scales, mins, sc):
+    """One Q4_K (nmax 15) or Q5_K (31) super-block: 8 sub-blocks of 32 with 6-bit scale/min."""
+    max_scale = _f32(0)
+    max_min = _f32(0)
+    for j in range(8):
+        sum_x2 = _f32(0)
+        for l in range(32):
+            v = x[x0 + 32 * j + l]
+            sum_x2 += v * v
+        av_x = np.float32(math.sqrt(sum_x2 / _f32(32)))
+        for l in range(32):
+            w[l] = av_x + abs(x[x0 + 32 * j + l])
+        s, m = make_qkx2_quants(
+            x, x0 + 32 * j, 32, nmax, w, L, 32 * j, Laux, rmin, _f32(0.1), nstep
+        )
+        scales[j] = s
+        mins[j] = m
+        if s > max_scale:
+            max_scale = s
+        if m > max_min:
+            max_min = m
+    inv_scale = _f32(63) / max_scale if max_scale > 0 else _f32(0)
+    inv_min = _f32(63) / max_min if max_min > 0 else _f32(0)
+    for k in range(12):
+        sc[k] = 0
+    for j in range(8):
+        ls = min(63, nearest_int(inv_scale * scales[j]) & 255)
+        lm = min(63, nearest_int(inv_min * mins[j]) & 255)
+        if j < 4:
+            sc[j] = ls
+            sc[j + 4] = lm
+        else:
+            sc[j + 4] = (ls & 15) | ((lm & 15) << 4)
+            sc[j - 4] |= (ls >> 4) << 6
+            sc[j] |= (lm >> 4) << 6
+    d_all = max_scale / _f32(63)
+    dmin_all = max_min / _f32(63)
+    _put_f16(out, o, d_all)
+    _put_f16(out, o + 2, dmin_all)
+    for k in range(12):
+        out[o + 4 + k] = sc[k]
+    d16 = f16_round(d_all)
+    dmin16 = f16_round(dmin_all)
+    for j in range(8):
+        s6, m6 = _k_scale_min(sc, j)
+        d = d16 * _f32(s6)
+        if d == 0:
+            continue
+        dm = dmin16 * _f32(m6)
+        for i in range(32):
+            L[32 * j + i] = max(0, min(nmax, nearest_int((x[x0 + 32 * j + i] + dm) / d)))
+    if nmax == 15:
+        for c in range(4):  # 64 values per 32 bytes: low nibbles first, then high
+            for l in range(32):
+                out[o + 16 + 32 * c + l] = L[64 * c + l] | (L[64 * c + 32 + l] << 4)
+    else:
+        qh = o + 16
+        qs = o + 48
+        for l in range(32):
+            out[qh + l] = 0
+        for c in range(4):
+            for l in range(32):
+                a = L[64 * c + l]
+                b = L[64 * c + 32 + l]
+                out[qh + l] |= ((a >> 4) << (2 * c)) | ((b >> 4) << (2 * c + 1))
+                out[qs + 32 * c + l] = (a & 15) | ((b & 15) << 4)
+
+
+@nb.njit(inline="always", **_JIT)
+def make_qx_quants_rmse1(x, x0, n, nmax, L, l0):
+    """llama.cpp's make_qx_quants with rmse_type 1 (weights x**2) and no importance matrix."""
+    amax = _f32(0)
+    mx = _f32(0)
+    for i in range(n):
+        ax = abs(x[x0 + i])
+        if ax > amax:
+            amax = ax
+            mx = x[x0 + i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[l0 + i] = 0
+        return _f32(0)
+    iscale = _f32(-nmax) / mx
+    sumlx = _f32(0)
+    suml2 = _f32(0)
+    for i in range(n):
+        xi = x[x0 + i]
+        q = max(-nmax, min(nmax - 1, nearest_int(iscale * xi)))
+        L[l0 + i] = q + nmax
+        w = xi * xi
+        lq = _f32(q)
+        sumlx += w * xi * lq
+        suml2 += w * lq * lq
+    scale = sumlx / suml2 if suml2 != 0 else _f32(0)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        iscale = -(_f32(nmax) + _f32(0.1) * _f32(step)) / mx
+        sumlx = _f32(0)
+        suml2 = _f32(0)
+        for i in range(n):
+            xi = x[x0 + i]
+            lq = _f32(max(-nmax, min(nmax - 1, nearest_int(iscale * xi))))
+            w = xi * xi
+            sumlx += w * xi * lq
+            suml2 += w * lq * lq
+        if suml2 > 0 and sumlx * sumlx > best * suml2:
+            for i in range(n):
+                q = max(-nmax, min(nmax - 1, nearest_int(iscale * x[x0 + i])))
+                L[l0 + i] = q + nmax
+            scale = sumlx / suml2
+            best = scale * sumlx
+    return scale
+
+
+@nb.njit(inline="always", **_JIT)
+def _q6_k_block(x, x0, out, o, L, scales):
+    max_scale = _f32(0)
+    max_abs_scale = _f32(0)
+    for ib in range(16):
+        s = make_qx_quants_rmse1(x, x0 + 16 * ib, 16, 32, L, 16 * ib)
+        scales[ib] = s
+        if abs(s) > max_abs_scale:
+            max_abs_scale = abs(s)
+            max_scale = s
+    if max_abs_scale < GROUP_MAX_EPS:
+        for k in range(210):
+            out[o + k] = 0
+        return
+    iscale = _f32(-128) / max_scale
+    d_all = _f32(1) / iscale
+    _put_f16(out, o + 208, d_all)
+    for ib in range(16):
+        out[o + 192 + ib] = min(127, nearest_int(iscale * scales[ib])) & 255
+    d16 = f16_round(d_all)
+    for j in range(16):
+        s8 = np.int8(out[o + 192 + j])
+        d = d16 * _f32(s8)
+        if d == 0:
+            continue
+        for i in range(16):
+            L[16 * j + i] = max(-32, min(31, nearest_int(x[x0 + 16 * j + i] / d))) + 32
+    for half in range(2):  # two halves of 128 values: 64 bytes of ql and 32 of qh each
+        ql = o + 64 * half
+        qh = o + 128 + 32 * half
+        b = 128 * half
+        for l in range(32):
+            q1 = L[b + l]
+            q2 = L[b + l + 32]
+            q3 = L[b + l + 64]
+            q4 = L[b + l + 96]
+            out[ql + l] = (q1 & 15) | ((q3 & 15) << 4)
+            out[ql + l + 32] = (q2 & 15) | ((q4 & 15) << 4)
+            out[qh + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+
+
+@nb.njit(**_JIT)
+def _quantize_k(x, out, kind):
+    """Rows of x [n_rows, n] into K-quant blocks; kind 0 = Q4_K, 1 = Q5_K, 2 = Q6_K."""
+    n_rows, n = x.shape
+    L = np.zeros(256, np.int32)  # scratch, reused by every block
+    Laux = np.zeros(32, np.int32)
+    w = np.zeros(32, np.float32)
+    scales = np.zeros(16, np.float32)
+    mins = np.zeros(8, np.float32)
+    sc = np.zeros(12, np.int32)
+    for r in range(n_rows):
+        xr = x[r]
+        orow = out[r]
+        for b in range(n // 256):
+            if kind == 0:
+                _qk45_block(
+                    xr, 256 * b, orow, 144 * b, 15, _f32(-1), 20, L, Laux, w, scales, mins, sc
+                )
+            elif kind == 1:
+                _qk45_block(
+                    xr, 256 * b, orow, 176 * b, 31, _f32(-0.5), 15, L, Laux, w, scales, mins, sc
+                )
+            else:
+                _q6_k_block(xr, 256 * b, orow, 210 * b, L, scales)
+
+
+_KIND_K = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (ggml's conversion)."""
+    u = x.view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
+
+
+def quantize_rows(x: np.ndarray, qtype: str | int) -> np.ndarray:
+    """Quantize float32 rows [n_rows, n] to raw bytes [n_rows, row_bytes] of the given type."""
+    fmt = block_format(qtype)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x.reshape(1, -1)
+    n_rows, n = x.shape
+    row_bytes = fmt.row_bytes(n)
+    if fmt.name == "F32":
+        return x.view(np.uint8).reshape(n_rows, row_bytes)
+    if fmt.name == "F16":
+        return x.astype("<f2").view(np.uint8).reshape(n_rows, row_bytes)
+    if fmt.name == "BF16":
+        return _bf16_bits(x).view(np.uint8).reshape(n_rows, row_bytes)
+    out = np.empty((n_rows, row_bytes), np.uint8)
+    if fmt.name in _KIND_32:
+        _quantize_32(x, out, _KIND_32[fmt.name])
+    elif fmt.name in _KIND_K:
+        _quantize_k(x, out, _KIND_K[fmt.name])
+    else:
+        raise GGUFError(f"no quantizer for {fmt.name}")
+    return out

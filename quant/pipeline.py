@@ -1,0 +1,198 @@
+"""The `fastrun quantize` pipeline: one GGUF in, another out, tensor by tensor.
+
+Each tensor is read from the input's memory map in slabs of rows, converted to float32,
+quantized to the type its recipe picks, and streamed to the writer; at most one slab of floats
+is in memory at a time. Tensors that keep their type are copied byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fastrun.formats import keys
+from fastrun.formats.errors import FastrunError
+from fastrun.formats.gguf import GGUFFile, TensorInfo
+from fastrun.formats.writer import UINT32, GGUFWriter, MetadataValue, TensorSpec, metadata_of
+from fastrun.quant.recipes import FileType, TypeChooser, file_type, llama_order
+
+QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of this generation
+SLAB_VALUES = 1 << 20  # floats per unit of work (4 MiB): fine enough to spread over threads
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclass
+class QuantizeResult:
+    """What a run did: sizes of the tensor data, weights, time and the types written."""
+
+    in_bytes: int = 0
+    out_bytes: int = 0
+    n_weights: int = 0
+    seconds: float = 0.0
+    types: Counter = field(default_factory=Counter)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.out_bytes / max(1, self.n_weights)
+
+
+@dataclass(frozen=True)
+class TensorJob:
+    source: TensorInfo
+    target: TensorSpec
+
+    @property
+    def converts(self) -> bool:
+        return self.source.format.id != self.target.format.id
+
+
+def plan(src: GGUFFile, ftype: FileType) -> list[TensorJob]:
+    """Each tensor of src with the type it gets, in llama-quantize's order."""
+    names = llama_order(src.tensors)
+    arch = src.architecture
+    n_layer = int(src.get(keys.BLOCK_COUNT, 0) or 0)
+    n_head = src.get(keys.HEAD_COUNT)
+    n_head_kv = src.get(keys.HEAD_COUNT_KV, n_head)
+    chooser = TypeChooser(
+        ftype,
+        names,
+        arch,
+        n_layer,
+        n_expert=int(src.get("{arch}.expert_count", 0) or 0),
+        is_70b=arch == "llama" and n_layer == 80 and n_head != n_head_kv,
+    )
+    jobs = []
+    for name in names:
+        info = src.tensors[name]
+        fmt = chooser.choose(name, info.shape, info.format)
+        jobs.append(TensorJob(info, TensorSpec(name, info.shape, fmt)))
+    return jobs
+
+
+def output_metadata(src: GGUFFile, ftype: FileType) -> dict[str, MetadataValue]:
+    """The input's metadata with file type and quantization version set (appended last, as
+    llama-quantize does) and the split keys of a multi-part input dropped."""
+    meta = metadata_of(src)
+    for key in (*keys.SPLIT_KEYS, keys.QUANTIZATION_VERSION, keys.FILE_TYPE):
+        meta.pop(key, None)
+    meta[keys.QUANTIZATION_VERSION] = MetadataValue(UINT32, QUANTIZATION_VERSION)
+    meta[keys.FILE_TYPE] = MetadataValue(UINT32, ftype.id)
+    return meta
+
+
+def _to_float(raw: np.ndarray, fmt_name: str, n: int) -> np.ndarray:
+    from fastrun.quant.fast import dequantize
+
+    flat = raw.reshape(-1)
+    if fmt_name == "F32":
+        return flat.view("<f4")
+    if fmt_name == "F16":  # NumPy's conversion uses the CPU's F16C instructions
+        return flat.view("<f2").astype(np.float32)
+    if fmt_name == "BF16":
+        return (flat.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    return dequantize(raw, fmt_name, n)
+
+
+_dequantize_lock = threading.Lock()  # quant.fast's dequantizers are parallel Numba kernels
+
+
+def _slab_bytes(job: TensorJob, slab: np.ndarray) -> np.ndarray:
+    """One slab of rows of a tensor in its target type (runs on a worker thread)."""
+    from fastrun.quant.fast_quantize import quantize_rows
+
+    if not job.converts:
+        return slab
+    rows = slab.shape[0]
+    n_cols = job.source.shape[0]
+    source = job.source.format.name
+    if source in _FLOAT_TYPES:
+        x = _to_float(slab, source, rows * n_cols)
+    else:
+        with _dequantize_lock:
+            x = _to_float(slab, source, rows * n_cols)
+    return quantize_rows(x.reshape(rows, n_cols), job.target.format.name)
+
+
+def _slabs(src: GGUFFile, jobs: list[TensorJob]):
+    """(job, slab of raw rows) for every tensor, in file order."""
+    for job in jobs:
+        data = src.tensor_bytes(job.source.name)
+        n_rows, n_cols = job.source.matrix_shape
+        step = max(1, SLAB_VALUES // n_cols)
+        for r0 in range(0, n_rows, step):
+            yield job, data[r0 : r0 + step]
+
+
+def _convert_all(src: GGUFFile, jobs: list[TensorJob], writer: GGUFWriter, threads: int, advance):
+    """Convert slabs on `threads` workers, a bounded window ahead, and write them in order."""
+    window: deque = deque()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        try:
+            for job, slab in _slabs(src, jobs):
+                window.append((job, pool.submit(_slab_bytes, job, slab)))
+                if len(window) >= 2 * threads:
+                    _write_done(window.popleft(), writer, advance)
+            while window:
+                _write_done(window.popleft(), writer, advance)
+        except BaseException:
+            for _, future in window:
+                future.cancel()
+            raise
+
+
+def _write_done(item, writer: GGUFWriter, advance) -> None:
+    job, future = item
+    out = future.result()
+    writer.write_tensor(job.target.name, out)
+    advance(out.size // job.target.format.block_bytes * job.target.format.block_size, job)
+
+
+def quantize_model(
+    src_path: str | os.PathLike,
+    dst_path: str | os.PathLike,
+    type_name: str,
+    allow_requantize: bool = False,
+    progress=None,
+    threads: int | None = None,
+) -> QuantizeResult:
+    """Quantize src_path into dst_path (written atomically) on `threads` threads (default:
+    the CPU count). progress, if given, has `start(total_weights)` and
+    `advance(n_weights, tensor_name)`."""
+    ftype = file_type(type_name)
+    if os.path.abspath(src_path) == os.path.abspath(dst_path):
+        raise FastrunError("the output would overwrite the input; choose another output path")
+    start = time.perf_counter()
+    result = QuantizeResult()
+    with GGUFFile(src_path) as src:
+        jobs = plan(src, ftype)
+        for job in jobs:
+            name = job.source.format.name
+            if job.converts and name not in _FLOAT_TYPES and not allow_requantize:
+                raise FastrunError(
+                    f"{os.path.basename(src_path)} is already quantized ({job.source.name} is "
+                    f"{name}); pass --allow-requantize to convert it anyway"
+                )
+        total = sum(j.source.n_elements for j in jobs)
+        if progress is not None:
+            progress.start(total)
+        writer = GGUFWriter(dst_path, output_metadata(src, ftype), [j.target for j in jobs])
+
+        def advance(n: int, job: TensorJob) -> None:
+            if progress is not None:
+                progress.advance(n, job.source.name)
+
+        with writer:
+            _convert_all(src, jobs, writer, threads or os.cpu_count() or 1, advance)
+        for job in jobs:
+            result.in_bytes += job.source.n_bytes
+            result.out_bytes += job.target.n_bytes
+            result.n_weights += job.source.n_elements
+            result.types[job.target.format.name] += 1
+    result.seconds = time.perf_counter() - start
+    return result
