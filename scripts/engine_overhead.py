@@ -24,23 +24,33 @@ def main() -> None:
     args = ap.parse_args()
 
     import fastrun
+    from fastrun.runner.api import sampling_params
+    from fastrun.runner.sampling import Sampler
 
     m = fastrun.load(args.model, backend=args.backend, n_ctx=args.n + 64, parallel=1,
                      threads=args.threads)  # fmt: skip
     tf = m.transformer
     prompt = m.tokenize("Once upon a time, in a quiet village by the sea,")
+    # greedy to the last token (end of text ignored): the engine asks the backend for the best
+    # 1 + (end-of-generation ids) candidates, so the model's loop below takes as many
+    settings = dict(temperature=0, ignore_eos=True)
+    eog = m.tokenizer.eog_ids
+    k = Sampler(sampling_params(**settings), eog).candidates
+
+    def pick(out) -> int:
+        return next(int(t) for t in out[0][-1] if int(t) not in eog)
 
     def direct() -> float:  # seconds per token, the model's own loop
         cache = tf.new_cache(args.n + 64)
-        token = int(tf.forward(prompt, cache, top_k=1)[0][-1, 0])
+        token = pick(tf.forward(prompt, cache, top_k=k))
         t0 = time.perf_counter()
         for _ in range(args.n):
-            token = int(tf.forward([token], cache, top_k=1)[0][-1, 0])
+            token = pick(tf.forward([token], cache, top_k=k))
         return (time.perf_counter() - t0) / args.n
 
     def engine() -> float:  # seconds per token after the first, through the engine
-        done = m.complete(prompt, max_tokens=args.n + 1, temperature=0, ignore_eos=False)
-        return done.decode_seconds / max(len(done.tokens) - 1, 1)
+        done = m.complete(prompt, max_tokens=args.n + 1, **settings)
+        return done.decode_seconds / (len(done.tokens) - 1)
 
     m.engine.call(direct)  # warm-up: compiled kernels, page faults
     engine()
