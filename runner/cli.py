@@ -1,4 +1,5 @@
-"""The `fastrun` command line: typer commands; user mistakes become one `fastrun: error:` line."""
+"""The `fastrun` console entry and the model-file commands (pull, info): the command modules
+register on runner/app.py's app; user mistakes become one `fastrun: error:` line."""
 
 from __future__ import annotations
 
@@ -14,46 +15,10 @@ try:  # typer >= 0.26 vendors click as typer._click
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_errors
 
-import fastrun
 from fastrun.formats import keys
 from fastrun.formats.errors import FastrunError
+from fastrun.runner.app import EXIT_INTERRUPTED, EXIT_USER_ERROR, app, render, resolve
 from fastrun.runner.progress import DownloadProgress
-
-EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
-
-app = typer.Typer(
-    name="fastrun",
-    help="Run GGUF language models fast, on the CPU or an NVIDIA GPU.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-)
-
-
-def _version(value: bool) -> None:
-    if value:
-        print(f"fastrun {fastrun.__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
-    ] = False,
-) -> None:
-    """Run GGUF language models fast, on the CPU or an NVIDIA GPU."""
-
-
-def resolve(model: str):
-    """A path or registry name to a file path, pulling a registry model with a progress bar."""
-    from fastrun.runner.registry import resolve_model
-
-    with DownloadProgress() as progress:
-        return resolve_model(model, progress=progress)
-
 
 # -- pull / info -------------------------------------------------------------------------------
 
@@ -77,7 +42,7 @@ def pull(
             table.add_row(
                 entry.name, entry.file, "yes" if is_present(entry) else "no", entry.description
             )
-        typer.echo(_render(table))
+        typer.echo(render(table))
         return
     entry = registry.get(name)
     if entry is None:
@@ -88,16 +53,6 @@ def pull(
     with DownloadProgress() as progress:
         path = pull_model(entry, progress=progress)
     typer.echo(f"{name}: {path}")
-
-
-def _render(renderable) -> str:
-    import io
-
-    from rich.console import Console
-
-    console = Console(width=120, file=io.StringIO())
-    console.print(renderable)
-    return console.file.getvalue().rstrip()
 
 
 def model_info(path) -> dict:
@@ -145,7 +100,7 @@ def info(
         elif k == "file_size":
             v = f"{v / 1e6:.1f} MB"
         table.add_row(k, str(v))
-    typer.echo(_render(table))
+    typer.echo(render(table))
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -187,7 +142,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run through the imported module, so commands.py registers on the same app object.
-    from fastrun.runner.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from fastrun.formats.errors import FastrunError
-from fastrun.runner.cli import app, resolve
+from fastrun.runner.app import app, render, resolve
 from fastrun.runner.progress import DownloadProgress, stderr_console
 
 # Options shared by run and chat, declared once.
@@ -279,15 +279,13 @@ def bench(
         return
     from rich.table import Table
 
-    from fastrun.runner.cli import _render
-
     table = Table("model", "size", "params", "backend", "threads", "test", "t/s")
     for row in rows:
         table.add_row(
             str(info["model"]), f"{info['size_mb']} MB", f"{info['params_m']} M", info["backend"],
             str(info["threads"]), row["test"], f"{row['mean']:.2f} ± {row['sd']:.2f}",
         )  # fmt: skip
-    typer.echo(_render(table))
+    typer.echo(render(table))
 
 
 def _counts(text: str) -> list[int]:
@@ -307,8 +305,6 @@ def _print_parallel(m, model: str, rows: list[dict], as_json: bool) -> None:
         return
     from rich.table import Table
 
-    from fastrun.runner.cli import _render
-
     table = Table("model", "backend", "PP", "TG", "B", "T_PP s", "S_PP t/s", "T_TG s",
                   "S_TG t/s", "S t/s")  # fmt: skip
     for r in rows:
@@ -317,4 +313,4 @@ def _print_parallel(m, model: str, rows: list[dict], as_json: bool) -> None:
             f"{r['t_pp']:.3f}", f"{r['s_pp']:.2f}", f"{r['t_tg']:.3f}", f"{r['s_tg']:.2f}",
             f"{r['s']:.2f}",
         )  # fmt: skip
-    typer.echo(_render(table))
+    typer.echo(render(table))

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from fastrun.formats.errors import FastrunError
-from fastrun.runner.cli import EXIT_INTERRUPTED, app, resolve
+from fastrun.runner.app import EXIT_INTERRUPTED, app, resolve
 from fastrun.runner.progress import WorkProgress, stderr_console
 
 

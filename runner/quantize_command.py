@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from fastrun.formats.errors import FastrunError
-from fastrun.runner.cli import EXIT_INTERRUPTED, app
+from fastrun.runner.app import EXIT_INTERRUPTED, app
 from fastrun.runner.progress import WorkProgress, stderr_console
 
 _MIB = 1024 * 1024

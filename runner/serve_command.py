@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from fastrun.formats.errors import FastrunError
-from fastrun.runner.cli import app, resolve
+from fastrun.runner.app import app, resolve
 from fastrun.runner.commands import BackendOpt, CtxSize, Threads, load_model
 
 GRACEFUL_SHUTDOWN_SECONDS = 10  # open streams are cancelled at once; this bounds the wait
