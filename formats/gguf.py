@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastrun.formats import keys
+from fastrun.formats import keys, schema
 from fastrun.formats.errors import GGUFError
 from fastrun.quant.formats import BlockFormat, block_format
 
@@ -255,10 +255,17 @@ class GGUFFile:
         return arch
 
     def get(self, key: str, default=None):
-        """Metadata value; "{arch}" in the key is replaced by general.architecture."""
-        if "{arch}" in key:
-            key = key.format(arch=self.architecture)
-        return self.metadata.get(key, default)
+        """Metadata value, checked against formats/schema.py's table (GGUFError naming the key
+        when it is of the wrong kind or range); "{arch}" in the key is replaced by
+        general.architecture."""
+        name = key.format(arch=self.architecture) if "{arch}" in key else key
+        value = self.metadata.get(name)
+        if value is None:
+            return default
+        try:
+            return schema.check(key, value, name)
+        except GGUFError as e:
+            raise GGUFError(f"{os.path.basename(self.path)}: {e}") from None
 
     def require(self, key: str):
         """Metadata value that must be present."""

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 
 from fastrun.backends import get_backend
-from fastrun.formats import keys
 from fastrun.formats.errors import FastrunError
 from fastrun.formats.gguf import GGUFFile
+from fastrun.runner import validate
 from fastrun.runner.chat import ChatTemplate
 from fastrun.runner.engine import Engine, EngineSettings, Stream
 from fastrun.runner.generate import Completion
@@ -29,6 +29,7 @@ def sampling_params(**settings) -> SamplingParams:
     unknown = set(settings) - _SAMPLING_FIELDS
     if unknown:
         raise FastrunError(f"unknown sampling setting(s): {', '.join(sorted(unknown))}")
+    settings = validate.check_sampling(settings)
     if "stop" in settings:
         stop = settings["stop"]
         settings["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -59,10 +60,9 @@ class Model:
         self.backend = get_backend(backend, **options)
         self.transformer = model_class(self.file.architecture)(self.file, self.backend, progress)
         self.config = self.transformer.config
-        self.template = ChatTemplate.for_model(self.file.get(keys.CHAT_TEMPLATE), self.tokenizer)
+        self.template = ChatTemplate.for_file(self.file, self.tokenizer)
         self.n_ctx = int(n_ctx or min(DEFAULT_CTX, self.config.n_ctx_train))
-        if self.n_ctx < 2:
-            raise FastrunError(f"context size {self.n_ctx} is too small")
+        validate.check_context_size(self.n_ctx, self.config, self.backend, n_seq=parallel)
         settings = EngineSettings(
             parallel=parallel, n_ctx=self.n_ctx, batch_size=batch_size, n_keep=n_keep,
             context_shift=context_shift, max_queue=max_queue,
@@ -87,7 +87,7 @@ class Model:
 
     def logprobs(self, tokens) -> np.ndarray:
         """Teacher-forced log-softmax after each prefix: float32 [len(tokens), n_vocab]."""
-        tokens = [int(t) for t in tokens]
+        tokens = validate.check_token_ids([int(t) for t in tokens], self.config.n_vocab)
 
         def score():  # on the engine's thread, which owns the backend
             cache = self.transformer.new_cache(max(len(tokens), 1))
@@ -104,9 +104,10 @@ class Model:
 
     def prompt_ids(self, prompt_or_ids) -> list[int]:
         if isinstance(prompt_or_ids, str):
+            validate.check_prompt_text(prompt_or_ids, self.tokenizer, self.n_ctx)
             ids = self.tokenize(prompt_or_ids, special=True)
         else:
-            ids = [int(i) for i in prompt_or_ids]
+            ids = validate.check_token_ids([int(i) for i in prompt_or_ids], self.config.n_vocab)
         if not ids:
             raise FastrunError("the prompt is empty")
         if len(ids) >= self.n_ctx:
@@ -127,6 +128,7 @@ class Model:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         text = self.template.render(messages, add_generation_prompt=True)
+        validate.check_prompt_text(text, self.tokenizer, self.n_ctx)
         bos = self.template.bos_token
         add_bos = self.tokenizer.add_bos and not (bos and text.startswith(bos))
         return self.tokenize(text, add_bos=add_bos, special=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from collections import Counter
 from typing import Annotated
 
@@ -57,10 +58,11 @@ def pull(
 
 def model_info(path) -> dict:
     """Summary of a GGUF file: what `fastrun info` prints."""
-    from fastrun.formats import GGUFFile
+    from fastrun.formats import GGUFFile, schema
 
     with GGUFFile(path) as f:
         arch = f.architecture
+        schema.check_file(f)  # every key fastrun reads, not only those shown
         tokens = f.get(keys.TOKENS) or []
         return {
             "file": str(path),
@@ -74,7 +76,7 @@ def model_info(path) -> dict:
             "tokenizer": f.get(keys.TOKENIZER_MODEL),
             "tokenizer_pre": f.get(keys.TOKENIZER_PRE),
             "vocab_size": len(tokens),
-            "chat_template": f.get(keys.CHAT_TEMPLATE) is not None,
+            "chat_template": keys.CHAT_TEMPLATE in f.metadata,  # checked when compiled
             "file_size": f.size,
         }
 
@@ -114,16 +116,39 @@ def _load_commands() -> None:
     import fastrun.runner.serve_command  # noqa: F401
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    from fastrun.runner.validate import FastrunWarning
+
+    if issubclass(category, FastrunWarning):
+        print(f"fastrun: warning: {message}", file=sys.stderr)
+    else:
+        _show_warning(message, category, filename, lineno, file, line)
+
+
+_show_warning = warnings.showwarning
+
+
+def _interrupted() -> int:
+    # on a terminal, after the ^C echoed on the line of the text generated so far
+    start = "\n" if sys.stderr.isatty() else ""
+    print(f"{start}fastrun: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry: run the app, turning user mistakes into one line and exit code 2."""
-    _load_commands()
-    command = typer.main.get_command(app)
+    """Console-script entry: run the app, turning user mistakes into one line and exit code 2,
+    Ctrl-C at any point into one line and exit code 130."""
     try:
+        warnings.showwarning = _one_line_warning
+        if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes typed or piped: U+FFFD
+            sys.stdin.reconfigure(errors="replace")
+        _load_commands()
+        command = typer.main.get_command(app)
         code = command.main(args=argv, prog_name="fastrun", standalone_mode=False)
         if isinstance(code, int):  # typer returns Exit codes (130 on Ctrl-C) in this mode
-            return code
+            return _interrupted() if code == EXIT_INTERRUPTED else code
     except typer.Exit as e:
-        return e.exit_code
+        return _interrupted() if e.exit_code == EXIT_INTERRUPTED else e.exit_code
     except click_errors.NoArgsIsHelpError as e:
         print(e.ctx.get_help())
         return 0
@@ -133,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     except FastrunError as e:
         print(f"fastrun: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except MemoryError:
+        print("fastrun: error: out of memory", file=sys.stderr)
+        return EXIT_USER_ERROR
     except (KeyboardInterrupt, typer.Abort):
-        print("", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted()
     except BrokenPipeError:
         return 0
     return 0

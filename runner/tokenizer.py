@@ -14,6 +14,7 @@ Special tokens are split out first, longest first, as llama.cpp does: control to
 from __future__ import annotations
 
 import codecs
+import functools
 import heapq
 
 import numpy as np
@@ -91,6 +92,7 @@ class Tokenizer:
         self.model = model
         self.tokens = tokens
         n = len(tokens)
+        _check_tables(tokens, token_types, scores, {"bos": bos_id, "eos": eos_id, "eot": eot_id})
         self.types = (
             np.asarray(token_types, np.int32)
             if token_types is not None
@@ -158,7 +160,12 @@ class Tokenizer:
             known = ", ".join(sorted(PRE_TOKENIZERS))
             raise FastrunError(f"unsupported pre-tokenizer {pre!r} (fastrun knows {known})")
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(self.token_to_id, pairs, ignore_merges=pre in ("llama-bpe", "llama3"))
+        try:
+            bpe = models.BPE(self.token_to_id, pairs, ignore_merges=pre in ("llama-bpe", "llama3"))
+        except BaseException as e:  # the library's own exception, or a Rust panic
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            raise FastrunError(_merge_problem(pairs, self.token_to_id) or str(e)) from None
         hf = HFTokenizer(bpe)
         splits = [
             pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False)
@@ -175,6 +182,13 @@ class Tokenizer:
     def n_vocab(self) -> int:
         return len(self.tokens)
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for (a token's bytes bound them;
+        a character takes at most 4 bytes): a text longer than n times this needs more than n
+        tokens, which is known before tokenizing it."""
+        return 4 * max(map(len, self.tokens)) + 1
+
     @property
     def eog_ids(self) -> frozenset[int]:
         """End-of-generation tokens: EOS, EOT and the end-of-turn markers llama.cpp knows."""
@@ -184,7 +198,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
         """Token ids of text; BOS per the file unless add_bos says otherwise; control-token
-        strings such as <|im_start|> are parsed as tokens only when special=True."""
+        strings such as <|im_start|> are parsed as tokens only when special=True. Text that
+        is not valid Unicode (undecodable bytes of argv or stdin) has them replaced by U+FFFD."""
+        text = valid_text(text)
         add_bos = self.add_bos if add_bos is None else add_bos
         out: list[int] = [self.bos_id] if add_bos and self.bos_id is not None else []
         prev_special = True
@@ -306,6 +322,59 @@ class Tokenizer:
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
+
+
+def valid_text(text: str) -> str:
+    """text, with lone surrogates (how Python keeps undecodable bytes of argv, or a broken
+    UTF-16 pair from JSON) replaced by U+FFFD; they cannot be encoded to UTF-8."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")  # argv's bytes, as they were
+        except UnicodeEncodeError:
+            raw = text.encode("utf-8", "surrogatepass")
+        return raw.decode("utf-8", "replace")
+
+
+def _check_tables(tokens, token_types, scores, special_ids: dict) -> None:
+    """The vocabulary's tables agree: one type and one score per token, special ids inside the
+    vocabulary, byte tokens spelled <0xHH>. One FastrunError naming the table otherwise."""
+    n = len(tokens)
+    if n == 0:
+        raise FastrunError("the vocabulary is empty")
+    for what, table in (("token types", token_types), ("scores", scores)):
+        if table is not None and len(table) != n:
+            raise FastrunError(f"the vocabulary has {n} tokens but {len(table)} {what}")
+    for name, tid in special_ids.items():
+        if tid is not None and not (_is_int(tid) and 0 <= tid < n):
+            raise FastrunError(f"the {name} token id {tid!r} is outside the vocabulary ({n})")
+    if token_types is None:
+        return
+    for tid in np.flatnonzero(np.asarray(token_types) == keys.TOKEN_BYTE):
+        tok = tokens[tid]
+        if len(tok) == 6 and tok.startswith("<0x") and not _is_hex(tok[3:5]):
+            raise FastrunError(f"byte token {tid} is {tok!r}, not <0xHH>")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdefABCDEF" for c in text)
+
+
+def _merge_problem(pairs: list[tuple], vocab: dict[str, int]) -> str | None:
+    """The first merge the BPE model refuses, in words: run only once construction failed."""
+    for k, pair in enumerate(pairs):
+        if len(pair) != 2:
+            return f"merge {k} ({' '.join(pair)!r}) is not two tokens joined by a space"
+        for part in (*pair, pair[0] + pair[1]):
+            if part not in vocab:
+                return f"merge {k} ({' '.join(pair)!r}): {part!r} is not in the vocabulary"
+    return None
 
 
 class StreamDecoder:

@@ -6,6 +6,8 @@ layout it uses); weights and the forward pass live here, once.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,24 +42,45 @@ class TransformerConfig:
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> TransformerConfig:
-        n_embd = int(f.require(keys.EMBEDDING_LENGTH))
-        n_head = int(f.require(keys.HEAD_COUNT))
-        head_dim = int(f.get(keys.KEY_LENGTH) or n_embd // n_head)
-        n_vocab = len(f.get(keys.TOKENS) or []) or int(f.require(keys.VOCAB_SIZE))
+        """The config of a file; f.get checks each value's kind and range (formats/schema.py),
+        this the relations between them, so that the kernels' index arithmetic holds."""
+        where = os.path.basename(f.path)
+
+        def refuse(problem: str):
+            raise FastrunError(f"{where}: {problem}")
+
+        n_embd = f.require(keys.EMBEDDING_LENGTH)
+        n_head = f.require(keys.HEAD_COUNT)
+        n_head_kv = f.get(keys.HEAD_COUNT_KV) or n_head
+        if n_head % n_head_kv:
+            refuse(f"{n_head} attention heads do not share {n_head_kv} KV heads evenly")
+        head_dim = f.get(keys.KEY_LENGTH) or n_embd // n_head
+        if head_dim < 1:
+            refuse(f"{n_head} attention heads do not fit the width {n_embd}")
+        value_dim = f.get(keys.VALUE_LENGTH)
+        if value_dim is not None and value_dim != head_dim:
+            refuse(f"value length {value_dim} differs from key length {head_dim} (unsupported)")
+        n_vocab = len(f.get(keys.TOKENS) or []) or f.require(keys.VOCAB_SIZE)
         scale = 1.0
         if f.get(keys.ROPE_SCALING_TYPE) == "linear" and f.get(keys.ROPE_SCALING_FACTOR):
-            scale = 1.0 / float(f.get(keys.ROPE_SCALING_FACTOR))
+            scale = 1.0 / f.get(keys.ROPE_SCALING_FACTOR)
         elif f.get(keys.ROPE_SCALE_LINEAR):
-            scale = 1.0 / float(f.get(keys.ROPE_SCALE_LINEAR))
+            scale = 1.0 / f.get(keys.ROPE_SCALE_LINEAR)
+        n_rot = f.get(keys.ROPE_DIMENSION_COUNT) or head_dim
+        if n_rot % 2 or n_rot > head_dim:
+            refuse(f"RoPE over {n_rot} dimensions of {head_dim}-wide heads")
         factors = None
         if keys.ROPE_FREQS in f.tensors:  # llama 3 long-context frequency divisors
             info = f.tensor(keys.ROPE_FREQS)
+            if info.format.name != "F32" or info.shape != (n_rot // 2,):
+                refuse(
+                    f"{keys.ROPE_FREQS} is {info.format.name} {list(info.shape)}, "
+                    f"expected F32 [{n_rot // 2}]"
+                )
             factors = np.frombuffer(f.tensor_bytes(keys.ROPE_FREQS).tobytes(), np.float32)
-            if info.format.name != "F32":
-                raise FastrunError(f"rope_freqs.weight is {info.format.name}, expected F32")
         rope = RopeConfig(
-            n_dims=int(f.get(keys.ROPE_DIMENSION_COUNT) or head_dim),
-            freq_base=float(f.get(keys.ROPE_FREQ_BASE) or 10000.0),
+            n_dims=n_rot,
+            freq_base=f.get(keys.ROPE_FREQ_BASE) or 10000.0,
             freq_scale=scale,
             neox=cls.neox_rope,
             freq_factors=factors,
@@ -66,13 +89,13 @@ class TransformerConfig:
             arch=f.architecture,
             n_vocab=n_vocab,
             n_embd=n_embd,
-            n_layer=int(f.require(keys.BLOCK_COUNT)),
+            n_layer=f.require(keys.BLOCK_COUNT),
             n_head=n_head,
-            n_head_kv=int(f.get(keys.HEAD_COUNT_KV) or n_head),
+            n_head_kv=n_head_kv,
             head_dim=head_dim,
-            n_ff=int(f.require(keys.FEED_FORWARD_LENGTH)),
-            n_ctx_train=int(f.get(keys.CONTEXT_LENGTH) or 2048),
-            rms_eps=float(f.get(keys.RMS_EPS) or 1e-5),
+            n_ff=f.require(keys.FEED_FORWARD_LENGTH),
+            n_ctx_train=f.get(keys.CONTEXT_LENGTH) or 2048,
+            rms_eps=f.get(keys.RMS_EPS) or 1e-5,
             rope=rope,
         )
 
@@ -124,10 +147,26 @@ class Transformer:
                 progress(info.n_bytes)
             return backend.load_weight(f.tensor_bytes(name), info.format.name, n_out, n_in)
 
+        # Every vector's length, by name: the compiled kernels read them without bounds checks.
+        q_out, kv_out = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        vector_lengths = {
+            keys.ATTN_NORM: c.n_embd, keys.FFN_NORM: c.n_embd, keys.OUTPUT_NORM: c.n_embd,
+            keys.ATTN_Q_BIAS: q_out, keys.ATTN_K_BIAS: kv_out, keys.ATTN_V_BIAS: kv_out,
+        }  # fmt: skip
+        # Vectors that come only together: a Q bias without K and V biases cannot be applied.
+        together = {keys.ATTN_Q_BIAS: (keys.ATTN_K_BIAS, keys.ATTN_V_BIAS)}
+
         def vector(name: str, optional: bool = False):
             if optional and name not in f.tensors:
                 return None
             info = f.tensor(name)
+            match = re.match(r"blk\.(\d+)\.", name)
+            pattern = name if match is None else "blk.{i}." + name[match.end() :]
+            for sibling in together.get(pattern, ()):
+                f.tensor(sibling.format(i=match.group(1)))  # missing: one clear error
+            n = vector_lengths[pattern]
+            if info.shape != (n,):
+                raise FastrunError(f"{name}: shape {list(info.shape)}, expected [{n}]")
             from fastrun.quant import dequantize
 
             return backend.load_vector(
