@@ -23,6 +23,7 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_STRING = 1 << 30  # a single metadata string longer than 1 GiB is not a real file
+MAX_NESTING = 16  # arrays of arrays: real files nest one deep; the parser recurses per level
 
 # Metadata value types: id -> (struct code, numpy dtype); 8 = string and 9 = array are special.
 SCALAR_TYPES = {
@@ -222,7 +223,7 @@ class GGUFFile:
                 )
             self.tensors[name] = TensorInfo(name, fmt, shape, start, n_bytes)
 
-    def _value(self, cur: _Cursor, vtype: int, key: str):
+    def _value(self, cur: _Cursor, vtype: int, key: str, depth: int = 0):
         if vtype in SCALAR_TYPES:
             return cur.scalar(SCALAR_TYPES[vtype][0], key)
         if vtype == STRING_TYPE:
@@ -241,8 +242,10 @@ class GGUFFile:
             cur.need(n * 8, f"array {key} of {n} strings")  # each string has an 8-byte length
             return _read_strings(cur, n, key)
         if itype == ARRAY_TYPE:
+            if depth >= MAX_NESTING:
+                raise GGUFError(f"metadata {key}: arrays nested more than {MAX_NESTING} deep")
             cur.need(n * 12, f"array {key} of {n} arrays")
-            return [self._value(cur, ARRAY_TYPE, key) for _ in range(n)]
+            return [self._value(cur, ARRAY_TYPE, key, depth + 1) for _ in range(n)]
         raise GGUFError(f"metadata {key}: unknown array item type {itype}")
 
     # -- access ----------------------------------------------------------------------------

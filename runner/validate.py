@@ -31,10 +31,13 @@ def _number(settings: dict, name: str, low: float, high: float = math.inf, above
         return
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         raise FastrunError(f"{name} must be a number, not {type(value).__name__}")
-    if not math.isfinite(value) or (value <= low if above else value < low) or value > high:
-        bound = f"above {low}" if above else f"at least {low}"
-        upper = f" and at most {high}" if math.isfinite(high) else ""
-        raise FastrunError(f"{name} must be {bound}{upper}, not {value}")
+    if not math.isfinite(value):
+        raise FastrunError(f"{name.replace('_', ' ')} must be a finite number, not {value}")
+    if (value <= low if above else value < low) or value > high:
+        bound = f"above {low:g}" if above else f"at least {low:g}"
+        upper = f" and at most {high:g}" if math.isfinite(high) else ""
+        off = " (1 = off)" if name == "repeat_penalty" else ""
+        raise FastrunError(f"{name.replace('_', ' ')} must be {bound}{upper}{off}, not {value}")
 
 
 def check_sampling(settings: dict) -> dict:
