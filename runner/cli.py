@@ -4,7 +4,9 @@ register on runner/app.py's app; user mistakes become one `fastrun: error:` line
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import warnings
 from collections import Counter
 from typing import Annotated
@@ -128,6 +130,11 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 _show_warning = warnings.showwarning
 
 
+def _terminate(signum, frame) -> None:
+    # SIGTERM as an exception, so that `finally` blocks run: a pull removes its partial file
+    raise SystemExit(128 + signum)
+
+
 def _interrupted() -> int:
     # on a terminal, after the ^C echoed on the line of the text generated so far
     start = "\n" if sys.stderr.isatty() else ""
@@ -140,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     Ctrl-C at any point into one line and exit code 130."""
     try:
         warnings.showwarning = _one_line_warning
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminate)
         if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes typed or piped: U+FFFD
             sys.stdin.reconfigure(errors="replace")
         _load_commands()

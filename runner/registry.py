@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 import tomllib
 import urllib.parse
 import urllib.request
@@ -19,9 +20,16 @@ from pathlib import Path
 
 from fastrun.formats.errors import FastrunError
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: stale partial files are judged by age
+    fcntl = None
+
 REGISTRY_FILE = Path(__file__).resolve().parent.parent / "models.toml"
 DEFAULT_INDEX = "https://pypi.org/simple"
 CHUNK = 1 << 20
+PARTIAL = ".partial"  # the suffix of a file still being assembled
+STALE_SECONDS = 24 * 3600  # without file locks: a partial file untouched this long is stale
 
 
 @dataclass(frozen=True)
@@ -120,10 +128,12 @@ def pull_model(entry: ModelEntry, progress=None) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     if not entry.sources:
         raise FastrunError(f"model {entry.name} has no sources in models.toml")
+    remove_stale_partials(dest.parent)
     errors = []
     for source in entry.sources:
-        fd, tmp = tempfile.mkstemp(prefix=entry.file + ".", suffix=".partial", dir=dest.parent)
-        os.close(fd)
+        fd, tmp = tempfile.mkstemp(prefix=entry.file + ".", suffix=PARTIAL, dir=dest.parent)
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held while this pull lives: the file is not stale
         try:
             digest = _fetch_source(source, Path(tmp), progress)
             if digest != entry.sha256:
@@ -136,7 +146,37 @@ def pull_model(entry: ModelEntry, progress=None) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+            os.close(fd)
     raise FastrunError(f"could not pull {entry.name}: " + "; ".join(errors))
+
+
+def remove_stale_partials(folder: Path) -> list[Path]:
+    """Delete the partial files of pulls that died without cleaning up (SIGKILL, a power cut):
+    a live pull holds a lock on its own, so only unlocked ones go. Returns what was removed."""
+    removed = []
+    for path in folder.glob("*" + PARTIAL):
+        try:
+            if fcntl is None:
+                stale = time.time() - path.stat().st_mtime > STALE_SECONDS
+            else:
+                stale = _unlocked(path)
+            if stale:
+                path.unlink()
+                removed.append(path)
+        except OSError:  # gone meanwhile, or not ours to remove: leave it
+            continue
+    return removed
+
+
+def _unlocked(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _fetch_source(source: dict, out_path: Path, progress) -> str:

@@ -43,3 +43,50 @@ def test_smollm2_template(smollm2_path):
     text = m.detokenize(ids)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     assert m.tokenizer.token_to_id["<|im_start|>"] in ids
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "took"),
+        ("{% for i in range(99999) %}{{ 'x' * 9999 }}{% endfor %}", "more than 1000000 characters"),
+        ("{{ 'x' * 1000000000 }}", "stopped"),
+        ("{{ ('x' * 99999) | replace('x', 'y' * 99999) }}", "replace would build"),
+        ("{{ 'x'.center(999999999) }}", "center would build"),
+        ("{{ '{:>999999999}'.format(1) }}", "format would build"),
+        ("{{ '%0999999999d' % 1 }}", "would build"),
+        ("{{ 9 ** 99999 }}", "stopped"),
+        ("{{ range(10**9) }}", "OverflowError"),
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{{ messages | sum }}", "TypeError"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+        ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "does not compile"),
+        ("{{ messages | tojson(indent=1000000000) }}", "indent"),
+    ],
+)
+def test_hostile_templates_end_in_one_line(source, message):
+    import time
+
+    from fastrun.runner.chat import TemplateLimits
+
+    t0 = time.monotonic()
+    template = ChatTemplate(source, limits=TemplateLimits(seconds=0.5, max_chars=1_000_000))
+    with pytest.raises(FastrunError, match=message) as e:
+        template.render(MESSAGES)
+    assert "\n" not in str(e.value)
+    assert time.monotonic() - t0 < 5
+
+
+def test_template_compiles_on_first_use_and_limits_come_from_the_environment(monkeypatch):
+    broken = ChatTemplate("{% for %}")  # no error until it is used
+    with pytest.raises(FastrunError, match="does not compile"):
+        broken.render(MESSAGES)
+    calls = []
+    lazy = ChatTemplate(lambda: calls.append(1) or None)
+    assert not calls and lazy.render(MESSAGES).startswith("<|im_start|>system") and calls
+    monkeypatch.setenv("FASTRUN_TEMPLATE_MAX_CHARS", "10")
+    with pytest.raises(FastrunError, match="FASTRUN_TEMPLATE_MAX_CHARS"):
+        ChatTemplate(None).render(MESSAGES)
+    monkeypatch.setenv("FASTRUN_TEMPLATE_SECONDS", "soon")
+    with pytest.raises(FastrunError, match="FASTRUN_TEMPLATE_SECONDS"):
+        ChatTemplate(None)

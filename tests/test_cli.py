@@ -169,3 +169,74 @@ def test_cuda_backend_without_a_gpu_is_one_line(tiny_model):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == r.stderr.strip().splitlines()[0]
     assert "the CUDA backend needs CuPy and an NVIDIA GPU" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--repeat-penalty", "0"], "repeat penalty must be above 0"),
+        (["--ctx-size", "1000000000"], "for its KV cache"),
+        (["--presence-penalty", "nan"], "presence penalty must be a finite number"),
+        (["--seed", "-5"], "seed must be -1"),
+    ],
+)
+def test_bad_arguments_are_one_line(tiny_model, args, message):
+    r = fastrun("run", str(tiny_model), "hi", "-n", "1", "--backend", "cpu", *args)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastrun: error: ") and message in lines[0]
+
+
+def test_random_seed_invalid_utf8_and_training_context(tiny_model):
+    r = subprocess.run(
+        [sys.executable, "-m", "fastrun.runner.cli", "run", str(tiny_model), b"hi \xff\xfe",
+         "-n", "1", "--seed", "-1", "--backend", "cpu", "-c", "512"],
+        capture_output=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.decode().strip().splitlines() == [
+        "fastrun: warning: context size 512 is above the model's training context (256): "
+        "output past it may degrade"
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "fastrun.runner.cli", "run", str(tiny_model), "-", "-n", "1"],
+        input=b"caf\xe9 \xff", capture_output=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
+def test_info_refuses_bad_metadata_in_one_line(tiny_model, tmp_path):
+    from mutants import STRING, Value, parse, serialize
+
+    m = parse(tiny_model.read_bytes())
+    m.set("tokenizer.ggml.eos_token_id", Value(STRING, "</s>"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(serialize(m))
+    r = fastrun("info", str(bad))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "metadata tokenizer.ggml.eos_token_id is str '</s>', expected an integer" in r.stderr
+
+
+def test_ctrl_c_during_start_up_is_one_line(tiny_model):
+    """SIGINT while the modules are still importing (the console script's entry), loading or
+    generating: exit 130, one line, no traceback."""
+    import signal
+    import time
+
+    for delay in (0.0, 0.1, 0.3, 1.0, 2.0):
+        p = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from fastrun.runner.entry import main; "
+             "print('up', flush=True); "
+             f"sys.argv[1:] = ['run', '{tiny_model}', 'hi', '-n', '1', '--backend', 'cpu']; "
+             "sys.exit(main())"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert p.stdout.readline() == "up\n"  # the console script's entry runs
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+        if out.strip():  # finished before the signal came, or it came while Python exited
+            assert p.returncode in (0, -signal.SIGINT) and not err.strip(), err
+            continue
+        assert "Traceback" not in err, err
+        assert p.returncode == 130 and err.strip() == "fastrun: interrupted", (delay, err)

@@ -114,3 +114,28 @@ def test_resolve_paths_and_names(tmp_path, cache):
         resolve_model("no-such-model")
     with pytest.raises(FastrunError, match="not pulled"):
         resolve_model("smollm2-135m-instruct", pull=False)
+
+
+def test_stale_partial_files_are_removed_by_the_next_pull(tmp_path, cache):
+    """A pull killed by SIGKILL leaves its .partial file; the next pull removes it, but not
+    the file of a pull still running (it holds a lock on it)."""
+    import fcntl
+    import os
+
+    cache.mkdir(parents=True)
+    stale = cache / "m.gguf.abc123.partial"
+    stale.write_bytes(b"half a model")
+    live = cache / "m.gguf.def456.partial"
+    live.write_bytes(b"being written")
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        payload = b"GGUF" + bytes(100)
+        src = tmp_path / "model.bin"
+        src.write_bytes(payload)
+        url = [{"kind": "url", "url": src.as_uri()}]
+        pull_model(ModelEntry("m", "m.gguf", hashlib.sha256(payload).hexdigest(), url))
+        assert not stale.exists() and live.exists()
+    finally:
+        os.close(fd)
+    assert registry.remove_stale_partials(cache) == [live]

@@ -39,3 +39,40 @@ def test_end_of_generation_tokens(model):
     assert tok.eos_id in tok.eog_ids
     if "qwen" in name or "smollm" in name:
         assert tok.token_to_id["<|im_end|>"] in tok.eog_ids
+
+
+def _bytes_vocab():
+    from fastrun.runner.tokenizer import _BYTE_TO_CHAR
+
+    return [_BYTE_TO_CHAR[b] for b in range(256)] + ["ab"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"merges": ["a c"]}, r"merge 0 \('a c'\): 'ac' is not in the vocabulary"),
+        ({"merges": ["ab"]}, "not two tokens joined by a space"),
+        ({"token_types": [1] * 10}, "257 tokens but 10 token types"),
+        ({"scores": [0.0] * 3}, "257 tokens but 3 scores"),
+        ({"eos_id": 257}, "eos token id 257 is outside the vocabulary"),
+        ({"bos_id": -1}, "bos token id -1"),
+        ({"eot_id": 2.0}, "eot token id 2.0"),
+    ],
+)
+def test_inconsistent_tables_are_one_error(kwargs, message):
+    from fastrun.formats.errors import FastrunError
+
+    with pytest.raises(FastrunError, match=message):
+        Tokenizer("gpt2", _bytes_vocab(), **kwargs)
+
+
+def test_bad_byte_token_and_invalid_utf8_text():
+    from fastrun.formats.errors import FastrunError
+
+    tokens = ["<unk>", "<0xZZ>"] + [f"<0x{b:02X}>" for b in range(256)]
+    with pytest.raises(FastrunError, match="byte token 1 is '<0xZZ>'"):
+        Tokenizer("llama", tokens, token_types=[2, 6] + [6] * 256)
+    t = Tokenizer("gpt2", _bytes_vocab(), merges=["a b"])
+    argv_text = b"ab \xff".decode("utf-8", "surrogateescape")  # how Python keeps argv's bytes
+    assert t.decode(t.encode(argv_text)) == "ab \ufffd"
+    assert t.decode(t.encode("x\ud800y")) == "x\ufffd\ufffd\ufffdy"
