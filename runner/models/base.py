@@ -157,11 +157,13 @@ class Transformer:
         together = {keys.ATTN_Q_BIAS: (keys.ATTN_K_BIAS, keys.ATTN_V_BIAS)}
 
         def vector(name: str, optional: bool = False):
+            match = re.match(r"blk\.(\d+)\.", name)
+            pattern = name if match is None else "blk.{i}." + name[match.end() :]
+            if optional and (name in f.tensors) != (pattern.format(i=0) in f.tensors):
+                raise FastrunError(f"{name}: in some blocks only (biases are all or none)")
             if optional and name not in f.tensors:
                 return None
             info = f.tensor(name)
-            match = re.match(r"blk\.(\d+)\.", name)
-            pattern = name if match is None else "blk.{i}." + name[match.end() :]
             for sibling in together.get(pattern, ()):
                 f.tensor(sibling.format(i=match.group(1)))  # missing: one clear error
             n = vector_lengths[pattern]
