@@ -156,9 +156,11 @@ def check(key: str, value, name: str | None = None):
     return value
 
 
-def check_file(f, lazy: tuple[str, ...] = (keys.CHAT_TEMPLATE,)) -> None:
-    """Check every key of the table that a GGUFFile holds (`fastrun info`); the chat template
-    is left to when it is compiled, so that a broken one stops only --chat."""
+def check_file(f, arch_keys: bool = True, lazy: tuple[str, ...] = (keys.CHAT_TEMPLATE,)) -> None:
+    """Check every key of the table that a GGUFFile holds (`fastrun info`). arch_keys=False
+    leaves out the "{arch}." keys: an architecture fastrun does not run may use them otherwise
+    (per-layer arrays, no attention heads). The chat template is left to when it is compiled,
+    so that a broken one stops only --chat."""
     for key in SCHEMA:
-        if key not in lazy:
+        if key not in lazy and (arch_keys or not key.startswith("{arch}.")):
             f.get(key)

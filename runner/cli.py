@@ -61,10 +61,11 @@ def pull(
 def model_info(path) -> dict:
     """Summary of a GGUF file: what `fastrun info` prints."""
     from fastrun.formats import GGUFFile, schema
+    from fastrun.runner.models import ARCHITECTURES
 
     with GGUFFile(path) as f:
         arch = f.architecture
-        schema.check_file(f)  # every key fastrun reads, not only those shown
+        schema.check_file(f, arch_keys=arch in ARCHITECTURES)  # all fastrun reads, not only these
         tokens = f.get(keys.TOKENS) or []
         return {
             "file": str(path),
