@@ -23,6 +23,8 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_STRING = 1 << 30  # a single metadata string longer than 1 GiB is not a real file
+MAX_KEY = 65535  # the GGUF specification's limit on a metadata key
+MAX_TENSOR_NAME = 256  # ggml's is 64: names end up in error lines, which stay short
 MAX_NESTING = 16  # arrays of arrays: real files nest one deep; the parser recurses per level
 
 # Metadata value types: id -> (struct code, numpy dtype); 8 = string and 9 = array are special.
@@ -167,6 +169,8 @@ class GGUFFile:
         self.metadata_types: dict[str, tuple[int, int | None, tuple[int, int]]] = {}
         for _ in range(n_kv):
             key = cur.string("metadata key")
+            if len(key) > MAX_KEY:
+                raise GGUFError(f"a metadata key of {len(key)} characters")
             vtype = cur.scalar("I", f"type of {key}")
             if key in self.metadata:
                 raise GGUFError(f"duplicate metadata key {key!r}")
@@ -185,6 +189,8 @@ class GGUFFile:
         infos = []
         for _ in range(n_tensors):
             name = cur.string("tensor name")
+            if len(name) > MAX_TENSOR_NAME:
+                raise GGUFError(f"a tensor name of {len(name)} characters")
             n_dims = cur.scalar("I", f"dimension count of {name}")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise GGUFError(f"tensor {name}: {n_dims} dimensions")
@@ -253,9 +259,12 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         arch = self.metadata.get(keys.ARCHITECTURE)
-        if not isinstance(arch, str):
+        if arch is None:
             raise GGUFError(f"{os.path.basename(self.path)}: no general.architecture")
-        return arch
+        try:
+            return schema.check(keys.ARCHITECTURE, arch)
+        except GGUFError as e:
+            raise GGUFError(f"{os.path.basename(self.path)}: {e}") from None
 
     def get(self, key: str, default=None):
         """Metadata value, checked against formats/schema.py's table (GGUFError naming the key

@@ -26,7 +26,8 @@ MAX_JSON_INDENT = 16
 
 
 def _raise_exception(message):
-    raise FastrunError(f"chat template: {message}")
+    lines = str(message).strip().splitlines() or [""]
+    raise FastrunError(f"chat template: {lines[0][:200]}")
 
 
 def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):

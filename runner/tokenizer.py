@@ -369,11 +369,12 @@ def _is_hex(text: str) -> bool:
 def _merge_problem(pairs: list[tuple], vocab: dict[str, int]) -> str | None:
     """The first merge the BPE model refuses, in words: run only once construction failed."""
     for k, pair in enumerate(pairs):
+        shown = repr(" ".join(pair)[:40])
         if len(pair) != 2:
-            return f"merge {k} ({' '.join(pair)!r}) is not two tokens joined by a space"
+            return f"merge {k} ({shown}) is not two tokens joined by a space"
         for part in (*pair, pair[0] + pair[1]):
             if part not in vocab:
-                return f"merge {k} ({' '.join(pair)!r}): {part!r} is not in the vocabulary"
+                return f"merge {k} ({shown}): {part[:40]!r} is not in the vocabulary"
     return None
 
 

@@ -62,6 +62,7 @@ def test_smollm2_template(smollm2_path):
         ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
         ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "does not compile"),
         ("{{ messages | tojson(indent=1000000000) }}", "indent"),
+        ("{{ raise_exception('first line\\nsecond line' * 1000) }}", "chat template: first line$"),
     ],
 )
 def test_hostile_templates_end_in_one_line(source, message):

@@ -86,6 +86,7 @@ def test_metadata_of_the_wrong_kind_names_the_key(tmp_path):
         ("tokenizer.ggml.tokens", Value(9, (5, [1, 2, 3])), "expected an array of strings"),
         ("tokenizer.ggml.bos_token_id", Value(4, 300), "outside the vocabulary"),
         ("llama.context_length", Value(9, Nested(2000)), "nested more than 16 deep"),
+        ("general.architecture", Value(STRING, "x" * 100), "has length 100, expected 1..64"),
     ]
     for key, value, message in cases:
         m = parse(original)
