@@ -55,8 +55,9 @@ def classify(proc: subprocess.CompletedProcess | None) -> str:
     return "untidy-error"
 
 
-def run_cli(args: list[str], timeout: float, memory: int) -> subprocess.CompletedProcess | None:
-    env = dict(os.environ, FASTRUN_TEMPLATE_SECONDS="1")
+def run_cli(
+    args: list[str], timeout: float, memory: int, env: dict
+) -> subprocess.CompletedProcess | None:
     try:
         return subprocess.run(
             [sys.executable, "-m", "fastrun.runner.cli", *args],
@@ -83,6 +84,9 @@ def main() -> int:
     ap.add_argument("--real", default=None, help="also mutate this registry model (10%%)")
     ap.add_argument("--run-share", type=float, default=0.2,
                     help="share of files `info` refuses that `run` gets too")  # fmt: skip
+    ap.add_argument("--boundscheck", action="store_true",
+                    help="kernels with bounds checks (a read past an array: a traceback); "
+                    "compiled once into a cache folder of their own")  # fmt: skip
     ap.add_argument("--keep", type=Path, default=Path("fuzz-failures"))
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
@@ -98,6 +102,10 @@ def main() -> int:
 
         real = mutants(resolve_model(args.real).read_bytes(), args.seed + 99)
     memory = int(args.memory_gb * 2**30)
+    env = dict(os.environ, FASTRUN_TEMPLATE_SECONDS="1")
+    if args.boundscheck:
+        cache = Path(tempfile.gettempdir()) / "fastrun-fuzz-boundscheck-cache"
+        env.update(NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(cache))
     deadline = time.monotonic() + args.minutes * 60 if args.minutes else None
     lock = threading.Lock()
     counts: dict[str, Counter] = {"info": Counter(), "run": Counter()}
@@ -113,11 +121,11 @@ def main() -> int:
         path = work / f"m{n}.gguf"
         path.write_bytes(data)
         try:
-            info = classify(run_cli(["info", str(path), "--json"], args.timeout, memory))
+            info = classify(run_cli(["info", str(path), "--json"], args.timeout, memory, env))
             results = {"info": info}
             if info == "ok" or (n * 0.6180339887) % 1 < args.run_share:
                 cmd = ["run", str(path), "hi", "-n", "1", "--backend", "cpu", "-c", "64"]
-                results["run"] = classify(run_cli(cmd, args.timeout, memory))
+                results["run"] = classify(run_cli(cmd, args.timeout, memory, env))
             with lock:
                 for command, outcome in results.items():
                     counts[command][outcome] += 1
@@ -143,6 +151,7 @@ def main() -> int:
         "files": sum(counts["info"].values()),
         "seconds": round(time.monotonic() - started, 1),
         "memory_limit_gb": args.memory_gb,
+        "boundscheck": args.boundscheck,
         "info": dict(counts["info"]),
         "run": dict(counts["run"]),
         "failures": failures[:50],
