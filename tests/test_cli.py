@@ -240,3 +240,17 @@ def test_ctrl_c_during_start_up_is_one_line(tiny_model):
             continue
         assert "Traceback" not in err, err
         assert p.returncode == 130 and err.strip() == "fastrun: interrupted", (delay, err)
+
+
+def test_info_leaves_other_architectures_keys_alone(tmp_path):
+    """An architecture fastrun does not run may use its keys otherwise (per-layer arrays)."""
+    from helpers import write_tiny_model
+    from mutants import Value, parse, serialize
+
+    from fastrun.runner.cli import model_info
+
+    m = parse(write_tiny_model(tmp_path / "m.gguf", arch="openelm").read_bytes())
+    m.set("openelm.attention.head_count_kv", Value(9, (5, [2, 2])))
+    path = tmp_path / "openelm.gguf"
+    path.write_bytes(serialize(m))
+    assert model_info(path)["architecture"] == "openelm"
