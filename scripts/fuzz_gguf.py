@@ -125,6 +125,7 @@ def main() -> int:
             results = {"info": info}
             if info == "ok" or (n * 0.6180339887) % 1 < args.run_share:
                 cmd = ["run", str(path), "hi", "-n", "1", "--backend", "cpu", "-c", "64"]
+                cmd += ["--chat"] if n % 2 or "template" in what else []  # the template too
                 results["run"] = classify(run_cli(cmd, args.timeout, memory, env))
             with lock:
                 for command, outcome in results.items():
