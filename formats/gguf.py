@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastrun.formats import keys, schema
-from fastrun.formats.errors import GGUFError
+from fastrun.formats.errors import GGUFError, shown
 from fastrun.quant.formats import BlockFormat, block_format
 
 GGUF_MAGIC = b"GGUF"
@@ -24,7 +24,7 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_STRING = 1 << 30  # a single metadata string longer than 1 GiB is not a real file
 MAX_KEY = 65535  # the GGUF specification's limit on a metadata key
-MAX_TENSOR_NAME = 256  # ggml's is 64: names end up in error lines, which stay short
+MAX_TENSOR_NAME = 256  # ggml's limit is 64
 MAX_NESTING = 16  # arrays of arrays: real files nest one deep; the parser recurses per level
 
 # Metadata value types: id -> (struct code, numpy dtype); 8 = string and 9 = array are special.
@@ -171,15 +171,16 @@ class GGUFFile:
             key = cur.string("metadata key")
             if len(key) > MAX_KEY:
                 raise GGUFError(f"a metadata key of {len(key)} characters")
-            vtype = cur.scalar("I", f"type of {key}")
+            label = shown(key)  # how error lines name it
+            vtype = cur.scalar("I", f"type of {label}")
             if key in self.metadata:
-                raise GGUFError(f"duplicate metadata key {key!r}")
+                raise GGUFError(f"duplicate metadata key {label}")
             item_type = None
             if vtype == ARRAY_TYPE:
-                cur.need(4, f"item type of {key}")
+                cur.need(4, f"item type of {label}")
                 (item_type,) = struct.unpack_from("<I", self._mm, cur.pos)
             start = cur.pos
-            self.metadata[key] = self._value(cur, vtype, key)
+            self.metadata[key] = self._value(cur, vtype, label)
             self.metadata_types[key] = (vtype, item_type, (start, cur.pos))
 
         alignment = self.metadata.get(keys.ALIGNMENT, DEFAULT_ALIGNMENT)
@@ -191,40 +192,42 @@ class GGUFFile:
             name = cur.string("tensor name")
             if len(name) > MAX_TENSOR_NAME:
                 raise GGUFError(f"a tensor name of {len(name)} characters")
-            n_dims = cur.scalar("I", f"dimension count of {name}")
+            label = shown(name)
+            n_dims = cur.scalar("I", f"dimension count of {label}")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise GGUFError(f"tensor {name}: {n_dims} dimensions")
-            shape = tuple(cur.scalar("Q", f"shape of {name}") for _ in range(n_dims))
-            type_id = cur.scalar("I", f"type of {name}")
-            offset = cur.scalar("Q", f"offset of {name}")
+                raise GGUFError(f"tensor {label}: {n_dims} dimensions")
+            shape = tuple(cur.scalar("Q", f"shape of {label}") for _ in range(n_dims))
+            type_id = cur.scalar("I", f"type of {label}")
+            offset = cur.scalar("Q", f"offset of {label}")
             infos.append((name, shape, type_id, offset))
 
         data_start = -(-cur.pos // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, type_id, offset in infos:
+            label = shown(name)
             if name in self.tensors:
-                raise GGUFError(f"duplicate tensor {name!r}")
+                raise GGUFError(f"duplicate tensor {label}")
             if any(d <= 0 or d > 1 << 40 for d in shape):
-                raise GGUFError(f"tensor {name}: bad shape {list(shape)}")
+                raise GGUFError(f"tensor {label}: bad shape {list(shape)}")
             try:
                 fmt = block_format(type_id)
             except GGUFError:
-                raise GGUFError(f"tensor {name}: unknown tensor type {type_id}") from None
+                raise GGUFError(f"tensor {label}: unknown tensor type {type_id}") from None
             n_elements = 1
             for d in shape:
                 n_elements *= d
             if shape[0] % fmt.block_size:
                 raise GGUFError(
-                    f"tensor {name}: row of {shape[0]} is not a whole number of "
+                    f"tensor {label}: row of {shape[0]} is not a whole number of "
                     f"{fmt.name} blocks ({fmt.block_size})"
                 )
             n_bytes = n_elements // fmt.block_size * fmt.block_bytes
             if offset % alignment:
-                raise GGUFError(f"tensor {name}: offset {offset} is not aligned to {alignment}")
+                raise GGUFError(f"tensor {label}: offset {offset} is not aligned to {alignment}")
             start = data_start + offset
             if start + n_bytes > self.size:
                 raise GGUFError(
-                    f"tensor {name}: data ({n_bytes} bytes at {start}) runs past the end of the "
+                    f"tensor {label}: data ({n_bytes} bytes at {start}) runs past the end of the "
                     f"file ({self.size} bytes); the file is truncated"
                 )
             self.tensors[name] = TensorInfo(name, fmt, shape, start, n_bytes)
@@ -284,7 +287,7 @@ class GGUFFile:
         value = self.get(key)
         if value is None:
             name = key.format(arch=self.get(keys.ARCHITECTURE))
-            raise GGUFError(f"{os.path.basename(self.path)}: missing metadata {name}")
+            raise GGUFError(f"{os.path.basename(self.path)}: missing metadata {shown(name)}")
         return value
 
     def tensor(self, name: str) -> TensorInfo:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastrun.formats import keys
-from fastrun.formats.errors import GGUFError
+from fastrun.formats.errors import GGUFError, shown
 
 # Value kinds. Arrays are NumPy arrays (numeric items) or lists (string items), as the reader
 # returns them.
@@ -148,7 +148,7 @@ def check(key: str, value, name: str | None = None):
         return value
     problem = _kind_problem(spec, value) or _range_problem(spec, value)
     if problem:
-        raise GGUFError(f"metadata {name or key} {problem}")
+        raise GGUFError(f"metadata {shown(name or key)} {problem}")
     if spec.kind == BOOL:
         return bool(value)
     if spec.kind == FLOAT:

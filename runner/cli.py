@@ -136,6 +136,12 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _error(message: str) -> int:
+    # one line, whatever a message quoted from a file holds
+    print(f"fastrun: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
 def _interrupted() -> int:
     # on a terminal, after the ^C echoed on the line of the text generated so far
     start = "\n" if sys.stderr.isatty() else ""
@@ -163,11 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e.ctx.get_help())
         return 0
     except click_errors.UsageError as e:
-        print(f"fastrun: error: {e.format_message()}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _error(e.format_message())
     except FastrunError as e:
-        print(f"fastrun: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _error(str(e))
     except MemoryError:
         print("fastrun: error: out of memory", file=sys.stderr)
         return EXIT_USER_ERROR
