@@ -104,6 +104,10 @@ class Sampler:
         """top-p, min-p, temperature and the draw over the top-k ids, kept their logits
         (float64), best first."""
         p = self.params
+        if not np.isfinite(kept).all():
+            ids, kept = _usable(ids, kept)  # NaN or inf from a damaged model
+            if len(ids) == 1:
+                return int(ids[0])
         probs = np.exp(kept - kept[0])
         probs /= probs.sum()
         if p.top_p < 1.0:
@@ -125,3 +129,15 @@ class Sampler:
                 logits[tid] = v / p.repeat_penalty if v > 0 else v * p.repeat_penalty
             logits[tid] -= count * p.frequency_penalty + p.presence_penalty
         return logits
+
+
+def _usable(ids: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates a draw can use when some logits are not finite: the first +inf alone (it
+    outweighs every other), else the finite ones; the first candidate if none is."""
+    top = np.flatnonzero(np.isposinf(kept))
+    if top.size:
+        return ids[top[:1]], kept[top[:1]]
+    finite = np.isfinite(kept)
+    if not finite.any():
+        return ids[:1], np.zeros(1)
+    return ids[finite], kept[finite]

@@ -89,3 +89,15 @@ def test_candidates_draw_as_the_whole_row():
     assert Sampler(SamplingParams.greedy())(Candidates(ids[0, :1], values[0, :1]), []) == ids[0, 0]
     assert Sampler(SamplingParams(top_k=0)).candidates == 0  # the whole row is needed
     assert Sampler(SamplingParams(repeat_penalty=1.1)).candidates == 0
+
+
+def test_draws_survive_logits_that_are_not_finite():
+    """A damaged model's NaN or inf logits: a token is drawn, never an exception."""
+    sampler = Sampler(SamplingParams(temperature=0.8, top_p=0.9, min_p=0.1, seed=1))
+    ids = np.arange(4, dtype=np.int32)
+    for values in ([np.nan, 1, 2, 3], [3, np.nan, 2, 1], [np.inf, 1, np.nan, 0],
+                   [np.nan] * 4, [3, 2, -np.inf, -np.inf]):  # fmt: skip
+        logits = np.array(values, np.float32)
+        assert 0 <= sampler(Candidates(ids, logits), []) < 4
+        assert 0 <= sampler(logits.copy(), []) < 4
+    assert sampler(np.array([0, np.inf, 1, np.nan], np.float32), []) == 1
