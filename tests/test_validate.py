@@ -32,13 +32,6 @@ def test_seed_minus_one_is_random():
     assert sampling_params(seed=7).seed == 7
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model):
-    m = Model(tiny_model, backend="cpu", n_ctx=64)
-    yield m
-    m.close()
-
-
 def test_context_size_against_memory_and_training(tiny_model):
     with pytest.raises(FastrunError, match=r"needs .* GiB for its KV cache"):
         Model(tiny_model, backend="cpu", n_ctx=1 << 28)
@@ -51,10 +44,12 @@ def test_context_size_against_memory_and_training(tiny_model):
         Model(tiny_model, backend="cpu", n_ctx=256).close()  # the training context itself
 
 
-def test_prompt_ids_and_overlong_text_are_refused_before_the_model(tiny):
+def test_prompt_ids_and_overlong_text_are_refused_before_the_model(tiny_model):
+    tiny = Model(tiny_model, backend="cpu", n_ctx=64)
     with pytest.raises(FastrunError, match="token id 300 is outside the vocabulary"):
         tiny.complete([1, 300], max_tokens=1)
     with pytest.raises(FastrunError, match="token id -1"):
         tiny.logprobs([-1, 2])
     with pytest.raises(FastrunError, match="characters, more than a context of 64 tokens"):
         tiny.complete("x" * 10_000_000, max_tokens=1)
+    tiny.close()
