@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -146,6 +147,7 @@ def main() -> int:
 
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, range(args.count)))
+    shutil.rmtree(work, ignore_errors=True)
 
     bad = {c: sum(v for k, v in counts[c].items() if k not in ("ok", "refused")) for c in counts}
     report = {
