@@ -240,7 +240,11 @@ class Engine:
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     result.put((False, e))
             if self._decoding or self._prefilling:
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - a bug must not strand every caller
+                    for request in [*self._prefilling, *self._decoding]:
+                        self._cancel_with(request, e)
         for request in [*self._waiting, *self._prefilling, *self._decoding]:
             self._finish(request, "cancelled")
         self.cells.free()
