@@ -289,6 +289,27 @@ def test_attention_over_sequences_of_one_cache(backend):
     np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("hd", [64, 128, 256])
+def test_attention_of_a_prefill_sized_batch(backend, hd):
+    """Many queries at once (CUDA: tiles of one sequence's consecutive positions): a long run
+    of one sequence, a lone decode token of another, a run of a third from position 0."""
+    rng = np.random.default_rng(14)
+    hk, c, h = 2, 3 * 300, 4
+    kv = rng.standard_normal((2, c, hk, hd)).astype(np.float32)
+    k_ref, v_ref = ref.zeros((c, hk, hd)), ref.zeros((c, hk, hd))
+    k_dev, v_dev = backend.zeros((c, hk, hd)), backend.zeros((c, hk, hd))
+    every = np.arange(c, dtype=np.int32)
+    ref.kv_write(k_ref, v_ref, kv[0], kv[1], every)
+    backend.kv_write(k_dev, v_dev, dev(backend, kv[0]), dev(backend, kv[1]), every)
+    pos = np.concatenate([np.arange(10, 160), [299], np.arange(0, 49)]).astype(np.int32)
+    starts = np.repeat(np.array([0, 300, 600], np.int32), [150, 1, 49])
+    q = rng.standard_normal((len(pos), h, hd)).astype(np.float32)
+    scale = hd**-0.5
+    expect = ref.attention(q, k_ref, v_ref, pos, scale, starts)
+    got = backend.attention(dev(backend, q), k_dev, v_dev, pos, scale, starts)
+    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
+
+
 def _filled_cache(backend, rng, layers, rows, hk, hd):
     """Reference and backend caches [layers, rows, hk, hd] holding the same random values."""
     ref_kv = (ref.zeros((layers, rows, hk, hd)), ref.zeros((layers, rows, hk, hd)))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import cupy as cp
 import numpy as np
+from cupy_backends.cuda.libs import cublas
 
 from fastrun.backends.base import Backend, RopeConfig, Weight
 from fastrun.backends.cuda.graphs import StepGraph, host_result
@@ -32,7 +33,8 @@ MATVEC_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC", "1,4").sp
 MATVEC_ROWS = 8 * MATVEC_TUNING[0]  # weight rows per matvec block: 8 warps (matmul.cu)
 # up to this many tokens: the dp4a matvec; from one more, the int8 tensor-core kernel
 MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
-DENSE_ROWS = 128  # from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
+# from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
+DENSE_ROWS = int(os.environ.get("FASTRUN_DENSE_ROWS", "128"))
 # The tensor-core kernel (matmul.cu): MMA_SM_WARPS, the warps an SM must hold (caps its
 # registers: 80 at 24), in blocks of MMA_WARPS warps (they split K; the wider kind where every
 # block is resident at once, _mma_warps), each streaming its chunks through a ring of tiles
@@ -50,12 +52,15 @@ MMA_TOKENS = 16  # tokens per tensor-core block
 MMA_ROW_GROUPS = 8  # the tensor-core kernel takes rows of whole 8-group chunks (matmul.cu)
 ATTN_MIN_SHARE = 64  # the fewest cache positions worth an attention split of their own
 ATTN_MAX_SPLITS = 128  # at most as many splits as the merge's threads (ops.cu)
+ATTN_TILE, ATTN_TILE_DIMS = 64, (64, 128, 256)  # prefill attention: queries a tile; head dims
 # attention splits: enough for about this many blocks (one query; a batch of queries), each
 # split at least a round of loads (7B shape, 16 sequences: 256 blocks 4.96 ms a step, 4096 6.05)
 ATTN_BLOCKS = (512, int(os.environ.get("FASTRUN_ATTN_BLOCKS", "256")))
 GRAPH_MAX_TOKENS = 64  # the largest decode step captured as a graph (step_size)
 SELECT_CHUNK, SELECT_MAX = 4096, 64  # logits per top_k block; the largest k (select.cu)
 _i32 = np.int32
+# cuBLAS's enums for gemmEx (library_types.h, cublas_api.h)
+_CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
 _NULL = np.uint64(0)  # a null pointer argument
 
 
@@ -102,12 +107,12 @@ class _Kernels:
         """The kernel as kernel(grid, block, args), launched with PDL where the GPU has it."""
         kernel = self._cache.get(name)
         if kernel is None:
-            if "<" in name or name.startswith("quantize"):
+            if "<" in name or name.startswith(("quantize", "dense")):
                 module = self.matmul
             else:
                 module = self.select if name == "top_k" else self.ops
             function = module.get_function(name)
-            if name.startswith("matmul_mma"):  # rings past the 48 KB default (_mma_ring)
+            if name.startswith(("matmul_mma", "attn_tiles")):  # past the 48 KB default
                 function.max_dynamic_shared_size_bytes = self._shared_optin
             kernel = self._cache[name] = partial(self.launch, function)
         return kernel
@@ -225,18 +230,36 @@ class CUDABackend(Backend):
         self.k("quantize_rows")(((k + 255) // 256, n), (256,), args)
         return xq, xd, xs
 
-    def _product_f16(self, x, w: CUDAWeight, y, accumulate: bool) -> None:
-        """y (+)= x @ w.T through cuBLAS: w dequantized to fp16 scratch, x rounded to fp16,
-        fp32 accumulation. For prefill-sized batches, where it beats the int8 kernels."""
+    def _dense_rows(self, x, norm, eps, up):
+        """x (first x / rms(x) * norm, or silu(x) * up, when given) rounded to fp16 rows, the
+        activation of the cuBLAS products."""
+        n, k = x.shape
+        out = cp.empty((n, k), cp.float16)
+        args = (x, _i32(x.strides[0] // 4), _NULL if norm is None else norm, np.float64(eps))
+        args += (_NULL, _i32(0)) if up is None else (up, _i32(up.strides[0] // 4))
+        self.k("dense_rows")(((k + 255) // 256, n), (256,), (*args, _i32(k), out))
+        return out
+
+    def _product_f16(self, x16, w: CUDAWeight, y, accumulate: bool) -> None:
+        """y (+)= x16 @ w.T through cuBLAS: w dequantized to fp16 scratch, fp32 accumulation
+        and output (written or added in place: no conversions after). For prefill-sized
+        batches, where it beats the int8 kernels."""
         w16 = cp.empty((w.n_out, w.n_in), cp.float16)
         groups = w.n_out * w.n_in // 32
         args = (*w.plane_args(), w16, _i32(w.n_in), np.int64(groups))
-        self.k(f"dequant_f16<{w.kernel_format}>")(((groups + 255) // 256,), (256,), args)
-        product = cp.matmul(x.astype(cp.float16), w16.T)
-        if accumulate:
-            y += product
-        else:
-            y[...] = product
+        self.k(f"dequant_f16<{w.kernel_format}>")(((4 * groups + 255) // 256,), (256,), args)
+        # column-major: y.T [n_out, n] = w16 [n_in, n_out].T @ x16.T [n_in, n]
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        alpha, beta = np.ones(1, np.float32), np.full(1, float(accumulate), np.float32)
+        n = x16.shape[0]
+        cublas.gemmEx(
+            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, w.n_out, n, w.n_in,
+            alpha.ctypes.data, w16.data.ptr, _CUDA_R_16F, w.n_in,
+            x16.data.ptr, _CUDA_R_16F, x16.strides[0] // 2,
+            beta.ctypes.data, y.data.ptr, _CUDA_R_32F, y.strides[0] // 4,
+            _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
+        )  # fmt: skip
 
     def _product(self, x, act, w: CUDAWeight, y, accumulate: bool = False) -> None:
         """y [n, n_out] (+)= x @ w.T; act: x's quantization for w's kind (None for float w)."""
@@ -305,18 +328,20 @@ class CUDABackend(Backend):
         if held is not None and norm is None and up is None:
             if held[0].data.ptr == x.data.ptr and held[0].shape == x.shape:
                 acts[False] = held[1]
-        dense = None  # the transformed x in float, for float weights and cuBLAS
+        dense = None  # the transformed x in float, for float weights
+        x16 = None  # in fp16, for cuBLAS
         outs = []
         for w in ws:
             y = out if out is not None else cp.empty((x.shape[0], w.n_out), cp.float32)
-            if w.kernel_format is None or x.shape[0] >= DENSE_ROWS:
+            if w.kernel_format is None:
                 if dense is None:
                     dense = x if norm is None else self.rms_norm(x, norm, eps)
                     dense = self._rows(dense if up is None else self.silu_mul(dense, up))
-                if w.kernel_format is None:
-                    self._product(dense, None, w, y, out is not None)
-                else:
-                    self._product_f16(dense, w, y, out is not None)
+                self._product(dense, None, w, y, out is not None)
+            elif x.shape[0] >= DENSE_ROWS:
+                if x16 is None:
+                    x16 = self._dense_rows(x, norm, eps, up)
+                self._product_f16(x16, w, y, out is not None)
             else:
                 if w.per_256 not in acts:
                     acts[w.per_256] = self._quantize(x, w.per_256, norm, eps, up)
@@ -448,6 +473,8 @@ class CUDABackend(Backend):
             longest = k_cache.shape[0]
         else:
             longest = int(np.max(positions)) + 1
+        if n >= DENSE_ROWS and hd in ATTN_TILE_DIMS and not isinstance(positions, cp.ndarray):
+            return self._attention_tiles(q, k_cache, v_cache, positions, scale, starts)
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
         # positions (in whole rounds of loads, ops.cu) and the combine merges them
         splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
@@ -472,6 +499,32 @@ class CUDABackend(Backend):
         else:
             args += (_NULL, _NULL, _NULL, _i32(0))
         self.k("attn_split")((h, splits, n), (128,), args)
+        return out
+
+    def _attention_tiles(self, q, k_cache, v_cache, positions, scale, starts, window=0):
+        """Attention of many queries (prefill) in tiles of up to ATTN_TILE queries of one
+        sequence at consecutive positions, each tile reading its keys once (ops.cu)."""
+        n, h, hd = q.shape
+        positions = np.asarray(positions, np.int32)
+        starts = np.zeros(n, np.int32) if starts is None else np.asarray(starts, np.int32)
+        # a tile starts at every change of sequence or break in the positions, and every
+        # ATTN_TILE queries within a run
+        breaks = np.ones(n, bool)
+        breaks[1:] = (starts[1:] != starts[:-1]) | (positions[1:] != positions[:-1] + 1)
+        run_first = np.flatnonzero(breaks)
+        run_len = np.diff(np.append(run_first, n))
+        firsts = np.concatenate(
+            [np.arange(f, f + c, ATTN_TILE) for f, c in zip(run_first, run_len, strict=True)]
+        )
+        counts = np.minimum(ATTN_TILE, np.append(firsts[1:], n) - firsts)
+        order = np.argsort(positions[firsts + counts - 1], kind="stable")  # longest last
+        tiles = np.stack([firsts[order], counts[order]], axis=1).astype(np.int32)
+        out = cp.empty((n, h * hd), cp.float32)
+        args = (q, k_cache, v_cache, self._ints(positions), self._ints(starts))
+        args += (cp.asarray(tiles), out, _i32(h), _i32(k_cache.shape[1]), np.float32(scale))
+        row = hd + 8  # halves a staged row (ops.cu)
+        shared = (ATTN_TILE + 2 * 32) * row * 2 + ATTN_TILE * 33 * 4
+        self.k(f"attn_tiles_{hd}")((h, len(tiles)), (128,), (*args, _i32(window)), shared)
         return out
 
     def kv_copy(self, k_cache, v_cache, src, dst, n, shift=0, rope=None):

@@ -28,6 +28,27 @@ __device__ __forceinline__ float biased_sum(int c) { return __int_as_float(c) - 
 // mode 0: Q8_0/Q8_1 per 32 (quantize.cuh);
 // mode 1: Q8_K per 256 (d = 1 / iscale, iscale = -127 / signed absmax), as llama.cpp's
 // quantize_row_q8_K_ref, which its x86 and ARM paths call.
+// Value e (< K) of row xr after the optional transform: RMSNorm with `weight` (norm != 0: the
+// block's 256 threads sum the row's squares into s_sum), then SiLU-multiply with up_row.
+__device__ __forceinline__ float transformed(const float* xr, int e, int K, bool norm,
+                                             float weight, double eps, const float* up_row,
+                                             double* s_sum) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float v = e < K ? xr[e] : 0.f;
+    if (norm) {  // the sum of squares in double, scale rounded once: as the CPU backend
+        double ss = 0.0;
+        for (int i = tid; i < K; i += 256) ss += (double)xr[i] * (double)xr[i];
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) s_sum[warp] = ss;
+        __syncthreads();
+        double total = 0.0;
+        for (int w = 0; w < 8; ++w) total += s_sum[w];
+        if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * weight;
+    }
+    if (up_row && e < K) v = silu(v) * up_row[e];
+    return v;
+}
+
 extern "C" __global__ void __launch_bounds__(256)
     quantize_rows(const float* __restrict__ x, int x_stride, const float* __restrict__ norm,
                   double eps, const float* __restrict__ up, int up_stride, int K, int mode,
@@ -41,21 +62,10 @@ extern "C" __global__ void __launch_bounds__(256)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const long long row = blockIdx.y;
     const int e = blockIdx.x * 256 + tid;
-    const float* xr = x + row * x_stride;
     const float weight = norm && e < K ? norm[e] : 0.f;  // a weight: read before the wait
     pdl_wait();
-    float v = e < K ? xr[e] : 0.f;
-    if (norm) {  // the sum of squares in double, scale rounded once: as the CPU backend
-        double ss = 0.0;
-        for (int i = tid; i < K; i += 256) ss += (double)xr[i] * (double)xr[i];
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) s_sum[warp] = ss;
-        __syncthreads();
-        double total = 0.0;
-        for (int w = 0; w < 8; ++w) total += s_sum[w];
-        if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * weight;
-    }
-    if (up && e < K) v = silu(v) * up[row * up_stride + e];
+    const float v = transformed(x + row * x_stride, e, K, norm != nullptr, weight, eps,
+                                up ? up + row * up_stride : nullptr, s_sum);
     const long long gid = act_group(row, e, K, tiled);
     if (mode == 0) {
         if (blockIdx.x * 256 + warp * 32 >= K) return;  // whole warps past the row's end
@@ -100,6 +110,22 @@ extern "C" __global__ void __launch_bounds__(256)
         xd[gid] = d;
         xs[gid] = d * (float)sum;
     }
+}
+
+// The same transforms into fp16 rows for cuBLAS (prefill): out [n, K] half.
+extern "C" __global__ void __launch_bounds__(256)
+    dense_rows(const float* __restrict__ x, int x_stride, const float* __restrict__ norm,
+               double eps, const float* __restrict__ up, int up_stride, int K,
+               __half* __restrict__ out) {
+    pdl_trigger();
+    __shared__ double s_sum[8];
+    const long long row = blockIdx.y;
+    const int e = blockIdx.x * 256 + threadIdx.x;
+    const float weight = norm && e < K ? norm[e] : 0.f;
+    pdl_wait();
+    const float v = transformed(x + row * x_stride, e, K, norm != nullptr, weight, eps,
+                                up ? up + row * up_stride : nullptr, s_sum);
+    if (e < K) out[row * K + e] = __float2half_rn(v);
 }
 
 // ---- few tokens: one warp per weight row, dp4a -------------------------------------------
@@ -519,31 +545,37 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 }
 
 // ---- weights to fp16 for large batches (cuBLAS) ------------------------------------------
-// One thread per group of 32: out [N, K] half.
+// Four threads per group of 32, each writing 8 consecutive weights as one 16-byte store (a
+// warp: 512 contiguous bytes): out [N, K] half. Thread j of a group takes weights 8j..8j+7:
+// quads 2(j & 1) and 2(j & 1) + 1, their low halves for j < 2, the high ones after.
 
 template <class F>
 __global__ void dequant_f16(PLANE_ARGS, __half* __restrict__ out, int K, long long n_groups) {
     pdl_start();
     const Planes P = PLANES;
-    const long long rg = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long th = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long rg = th >> 2;
     if (rg >= n_groups) return;
-    const int G = K >> 5;
+    const int j = th & 3, G = K >> 5;
     const long long row = rg / G;
     const int g = rg % G;
-    int lo, hi;
     const GroupScale s = F::scale(P, rg, row * (G >> 3) + (g >> 3));
-    __half2* dst = reinterpret_cast<__half2*>(out + rg * 32);
+    const bool high = j >= 2;
+    const float scale = high ? s.s_hi : s.s_lo;
+    __align__(16) __half2 v[4];
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        load_quad<F>(P, rg, t, lo, hi);
+    for (int u = 0; u < 2; ++u) {
+        int lo, hi;
+        load_quad<F>(P, rg, 2 * (j & 1) + u, lo, hi);
+        const int q = high ? hi : lo;
 #pragma unroll
         for (int b = 0; b < 4; b += 2) {
-            const float l0 = (signed char)((lo >> (8 * b)) & 0xFF), l1 = (signed char)((lo >> (8 * b + 8)) & 0xFF);
-            const float h0 = (signed char)((hi >> (8 * b)) & 0xFF), h1 = (signed char)((hi >> (8 * b + 8)) & 0xFF);
-            dst[(4 * t + b) / 2] = __floats2half2_rn(s.s_lo * l0 + s.m, s.s_lo * l1 + s.m);
-            dst[(16 + 4 * t + b) / 2] = __floats2half2_rn(s.s_hi * h0 + s.m, s.s_hi * h1 + s.m);
+            const float q0 = (signed char)((q >> (8 * b)) & 0xFF);
+            const float q1 = (signed char)((q >> (8 * b + 8)) & 0xFF);
+            v[2 * u + b / 2] = __floats2half2_rn(scale * q0 + s.m, scale * q1 + s.m);
         }
     }
+    reinterpret_cast<uint4*>(out)[th] = *reinterpret_cast<const uint4*>(v);
 }
 
 // ---- embedding rows --------------------------------------------------------------------------

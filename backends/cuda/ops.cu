@@ -365,3 +365,166 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                   scratch, h, xq, xd, xs, tiled);
 }
 
+
+// ---- attention for prefill: tiles of queries of one sequence ------------------------------
+// Block (head, tile) takes up to AT_QT queries of one sequence (tiles[tile] = first query,
+// count; the host groups them: same cache start, consecutive positions) and walks the keys
+// of their span in chunks of AT_KT positions staged in shared memory, each chunk's K and V
+// read once for all the tile's queries (attn_split reads them once a query). Thread t holds
+// a 4 x 4 block of scores (queries 4 (t / 8).., keys 4 (t % 8)..) and the output of the same
+// 4 queries over HD / 8 dimensions, with the online softmax of flash attention; the 8 threads
+// of a query block are neighbouring lanes, which exchange row maxima and sums by shuffles.
+// window > 0: query at position p sees positions p - window + 1 .. p only.
+#define AT_QT 64
+#define AT_KT 32
+#define AT_MASKED __int_as_float(0xff800000)  // -inf (NVRTC has no math.h)
+
+template <int HD>
+__device__ __forceinline__ void attn_tiles_body(
+    const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
+    const int* __restrict__ pos, const int* __restrict__ starts, const int2* __restrict__ tiles,
+    float* __restrict__ out, int h, int hk, float scale, int window) {
+    pdl_start();
+    extern __shared__ __align__(16) unsigned char at_smem[];
+    constexpr int LD = HD + 8;  // halves a staged row: rows 16 bytes apart on the banks
+    constexpr int DS = HD / 8;  // output dimensions a thread
+    __half* sq = reinterpret_cast<__half*>(at_smem);
+    __half* sk = sq + AT_QT * LD;
+    __half* sv = sk + AT_KT * LD;
+    float* sp = reinterpret_cast<float*>(sv + AT_KT * LD);  // [AT_QT][AT_KT + 1]
+    const int head = blockIdx.x, t = threadIdx.x;
+    const int2 tl = tiles[gridDim.y - 1 - blockIdx.y];  // the longest spans start first
+    const int first = tl.x, count = tl.y;
+    const int row = hk * HD;  // halves a cache row
+    const long long base = (long long)starts[first] * row + (head / (h / hk)) * HD;
+    for (int i = t; i < AT_QT * HD / 2; i += blockDim.x) {  // q rounded to fp16, as attn_split
+        const int r = i / (HD / 2), c = (i % (HD / 2)) * 2;
+        float2 v = make_float2(0.f, 0.f);
+        if (r < count)
+            v = *reinterpret_cast<const float2*>(q + ((long long)(first + r) * h + head) * HD + c);
+        *reinterpret_cast<__half2*>(sq + r * LD + c) = __floats2half2_rn(v.x, v.y);
+    }
+    const int qg = (t >> 3) * 4, kg = (t & 7) * 4, d0 = (t & 7) * DS;
+    int qpos[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) qpos[a] = qg + a < count ? pos[first + qg + a] : -1;
+    const int p_last = pos[first + count - 1];
+    const int k_lo = window > 0 ? max(0, pos[first] - window + 1) : 0;
+    float o[4][DS], m[4], l[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        m[a] = -1e30f;
+        l[a] = 0.f;
+#pragma unroll
+        for (int d = 0; d < DS; ++d) o[a][d] = 0.f;
+    }
+    for (int kb = k_lo; kb <= p_last; kb += AT_KT) {
+        __syncthreads();  // the previous chunk is used up (and the q tile staged)
+        for (int i = t; i < AT_KT * HD / 8; i += blockDim.x) {
+            const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
+            if (kb + r <= p_last) {
+                kv = *reinterpret_cast<const uint4*>(kc + base + (long long)(kb + r) * row + c);
+                vv = *reinterpret_cast<const uint4*>(vc + base + (long long)(kb + r) * row + c);
+            }
+            *reinterpret_cast<uint4*>(sk + r * LD + c) = kv;
+            *reinterpret_cast<uint4*>(sv + r * LD + c) = vv;
+        }
+        __syncthreads();
+        float s[4][4] = {};
+#pragma unroll 2
+        for (int c = 0; c < HD; c += 8) {
+            float qf[4][8], kf[4][8];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const uint4 qa = *reinterpret_cast<const uint4*>(sq + (qg + a) * LD + c);
+                const uint4 ka = *reinterpret_cast<const uint4*>(sk + (kg + a) * LD + c);
+                const __half2* q2 = reinterpret_cast<const __half2*>(&qa);
+                const __half2* k2 = reinterpret_cast<const __half2*>(&ka);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 qv = __half22float2(q2[e]), kv = __half22float2(k2[e]);
+                    qf[a][2 * e] = qv.x;
+                    qf[a][2 * e + 1] = qv.y;
+                    kf[a][2 * e] = kv.x;
+                    kf[a][2 * e + 1] = kv.y;
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) s[a][b] += qf[a][e] * kf[b][e];
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            float m_new = m[a];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int p = kb + kg + b;
+                const bool seen = p <= qpos[a] && (window <= 0 || p > qpos[a] - window);
+                s[a][b] = seen ? s[a][b] * scale : AT_MASKED;
+                m_new = fmaxf(m_new, s[a][b]);
+            }
+            for (int x = 1; x < 8; x <<= 1)
+                m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, x));
+            const float rescale = expf(m[a] - m_new);
+            float sum = 0.f;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const float p = s[a][b] == AT_MASKED ? 0.f : expf(s[a][b] - m_new);
+                sp[(qg + a) * (AT_KT + 1) + kg + b] = p;
+                sum += p;
+            }
+            for (int x = 1; x < 8; x <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+            l[a] = l[a] * rescale + sum;
+            m[a] = m_new;
+#pragma unroll
+            for (int d = 0; d < DS; ++d) o[a][d] *= rescale;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int j = 0; j < AT_KT; ++j) {
+            float pj[4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) pj[a] = sp[(qg + a) * (AT_KT + 1) + j];
+#pragma unroll
+            for (int c = 0; c < DS; c += 8) {
+                const uint4 va = *reinterpret_cast<const uint4*>(sv + j * LD + d0 + c);
+                const __half2* v2 = reinterpret_cast<const __half2*>(&va);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 vf = __half22float2(v2[e]);
+#pragma unroll
+                    for (int a = 0; a < 4; ++a) {
+                        o[a][c + 2 * e] += pj[a] * vf.x;
+                        o[a][c + 2 * e + 1] += pj[a] * vf.y;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        if (qg + a >= count) continue;
+        const float inv = 1.f / l[a];
+        float* dst = out + ((long long)(first + qg + a) * h + head) * HD + d0;
+#pragma unroll
+        for (int d = 0; d < DS; d += 4)
+            *reinterpret_cast<float4*>(dst + d) =
+                make_float4(o[a][d] * inv, o[a][d + 1] * inv, o[a][d + 2] * inv, o[a][d + 3] * inv);
+    }
+}
+
+#define ATTN_TILES(HD)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) attn_tiles_##HD(                         \
+        const float* __restrict__ q, const __half* __restrict__ kc,                            \
+        const __half* __restrict__ vc, const int* __restrict__ pos,                            \
+        const int* __restrict__ starts, const int2* __restrict__ tiles, float* __restrict__ out, \
+        int h, int hk, float scale, int window) {                                              \
+        attn_tiles_body<HD>(q, kc, vc, pos, starts, tiles, out, h, hk, scale, window);          \
+    }
+ATTN_TILES(64)
+ATTN_TILES(128)
+ATTN_TILES(256)
