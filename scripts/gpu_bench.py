@@ -272,6 +272,50 @@ def bench_torch(shape: str, n_prompt: int, n_gen: int, depth: int) -> dict:
     return {"pp": pp, "tg": tg, "weight_bytes": weight_bytes}
 
 
+def bench_file(path: Path, shape: str, qtype: str, args, **extra) -> list[dict]:
+    """fastrun on one GGUF file at every depth, then llama.cpp's CUDA build on it (--llama-bin)."""
+    rows = []
+    for depth in args.depth:
+        r = bench_fastrun(path, args.n_prompt, args.n_gen, args.batch, depth)
+        if args.engine:
+            r.update(bench_engine(path, args.n_gen, args.batch, depth))
+        r.update(shape=shape, type=qtype, peer="fastrun", depth=depth, **extra)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    if args.llama_bin:
+        for r in bench_llamacpp(args.llama_bin, path, args):
+            r.update(shape=shape, type=qtype, peer="llama.cpp FA")
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
+def bench_llamacpp(bin_dir: Path, path: Path, args) -> list[dict]:
+    """llama-bench (-fa 1, all layers on the GPU) pp and tg at each depth, and
+    llama-batched-bench's aggregate decode of --batch sequences with prompts of `depth`."""
+    import subprocess
+
+    depths = ",".join(str(d) for d in args.depth)
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(path), "-ngl", "99", "-fa", "1", "-r", "3",
+           "-p", str(args.n_prompt), "-n", str(args.n_gen), "-d", depths, "-o", "json"]  # fmt: skip
+    found = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    rows = {d: {"depth": d} for d in args.depth}
+    for row in found:
+        key = "pp" if row["n_prompt"] else "tg"
+        rows[row.get("n_depth", 0)][key] = row["avg_ts"]
+    for depth, r in rows.items():
+        npp = max(depth, 1)
+        cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(path), "-ngl", "99", "-fa", "on",
+               "-c", str(args.batch * (npp + args.n_gen) + 64), "-npp", str(npp),
+               "-ntg", str(args.n_gen), "-npl", f"1,{args.batch}"]  # fmt: skip
+        text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 10 and cells[0].isdigit() and int(cells[2]) == args.batch:
+                r["tg_batch"] = float(cells[7])  # S_TG
+    return list(rows.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
@@ -285,6 +329,12 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--engine", action="store_true", help="also through the engine's batcher")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--llama-bin",
+        type=Path,
+        help="llama.cpp's CUDA build/bin: llama-bench and llama-batched-bench",
+    )
+    ap.add_argument("--models", type=Path, nargs="*", default=[], help="real GGUF files too")
     args = ap.parse_args()
     import cupy as cp
     from helpers import write_tiny_model
@@ -294,6 +344,8 @@ def main() -> None:
     print(f"copy bandwidth (read + write): {copy / 1e12:.2f} TB/s")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            rows += bench_file(model, model.stem, "file", args)
         for shape in args.shapes:
             arch, d, ff, n_layer, h, hk, vocab = SHAPES[shape]
             for qtype in args.types:
@@ -305,15 +357,9 @@ def main() -> None:
                     path, arch, qtype, d, ff, n_layer, h, hk, vocab, 4096, tied=False, fast=True
                 )
                 made = time.perf_counter() - t0
-                for depth in args.depth:
-                    r = bench_fastrun(path, args.n_prompt, args.n_gen, args.batch, depth)
-                    if args.engine:
-                        r.update(bench_engine(path, args.n_gen, args.batch, depth))
-                    r.update(shape=shape, type=qtype, peer="fastrun", write_s=made, depth=depth)
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
+                rows += bench_file(path, shape, qtype, args, write_s=made)
                 path.unlink()
-            for depth in [] if args.no_torch else args.depth:
+            for depth in [] if args.no_torch or shape not in SHAPES else args.depth:
                 r = bench_torch(shape, args.n_prompt, args.n_gen, depth)
                 r.update(shape=shape, type="F16", peer="torch", depth=depth)
                 rows.append(r)
@@ -324,7 +370,7 @@ def main() -> None:
     print(f"| shape | weights | peer | depth | {pp} | {tg} | % of copy bw | {bt} | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        share = r["weight_bytes"] * r["tg"] / copy * 100
+        share = r.get("weight_bytes", 0) * r["tg"] / copy * 100
         batch = "- | -"
         if "tg_batch" in r:
             batch = f"{r['tg_batch']:.0f} | {r['tg_batch'] / r['tg']:.2f}x"
