@@ -53,6 +53,7 @@ MMA_ROW_GROUPS = 8  # the tensor-core kernel takes rows of whole 8-group chunks 
 ATTN_MIN_SHARE = 64  # the fewest cache positions worth an attention split of their own
 ATTN_MAX_SPLITS = 128  # at most as many splits as the merge's threads (ops.cu)
 ATTN_TILE, ATTN_TILE_DIMS = 64, (64, 128, 256)  # prefill attention: queries a tile; head dims
+HOST_VECTORS = 16  # host int vectors kept on the device by content (_ints)
 # attention splits: enough for about this many blocks (one query; a batch of queries), each
 # split at least a round of loads (7B shape, 16 sequences: 256 blocks 4.96 ms a step, 4096 6.05)
 ATTN_BLOCKS = (512, int(os.environ.get("FASTRUN_ATTN_BLOCKS", "256")))
@@ -176,6 +177,7 @@ class CUDABackend(Backend):
         # the last attention output and its 8-bit quantization (per 32), which the attention
         # kernel wrote along: the output projection takes it instead of quantizing again
         self._attn_act: tuple | None = None
+        self._host_vectors: dict[bytes, cp.ndarray] = {}  # _ints, oldest first
 
     def use_on_this_thread(self):
         cp.cuda.Device(self.device).use()  # CuPy's current device is per thread
@@ -204,14 +206,23 @@ class CUDABackend(Backend):
         return host_result(cp.asnumpy(x))
 
     def gather_rows(self, x, rows):
-        return x[cp.asarray(np.asarray(rows, np.int32))]
+        return x[self._ints(rows)]
 
-    @staticmethod
-    def _ints(a):
-        """Token ids, positions or slots as a device int32 vector."""
+    def _ints(self, a):
+        """Token ids, positions or slots as a device int32 vector. Host vectors are kept by
+        content for a while: an eager pass hands every layer the same ones, and each copy
+        from pageable host memory waits for the stream to drain first, so a copy a layer
+        would leave the GPU idle while the host catches up."""
         if isinstance(a, cp.ndarray):
             return a if a.dtype == cp.int32 else a.astype(cp.int32)
-        return cp.asarray(np.asarray(a, np.int32).reshape(-1))
+        host = np.ascontiguousarray(a, np.int32).reshape(-1)
+        key = host.tobytes()
+        dev = self._host_vectors.get(key)
+        if dev is None:
+            dev = self._host_vectors[key] = cp.asarray(host)
+            if len(self._host_vectors) > HOST_VECTORS:
+                del self._host_vectors[next(iter(self._host_vectors))]
+        return dev
 
     # -- matrix products --------------------------------------------------------------------
 
@@ -521,7 +532,7 @@ class CUDABackend(Backend):
         tiles = np.stack([firsts[order], counts[order]], axis=1).astype(np.int32)
         out = cp.empty((n, h * hd), cp.float32)
         args = (q, k_cache, v_cache, self._ints(positions), self._ints(starts))
-        args += (cp.asarray(tiles), out, _i32(h), _i32(k_cache.shape[1]), np.float32(scale))
+        args += (self._ints(tiles), out, _i32(h), _i32(k_cache.shape[1]), np.float32(scale))
         row = hd + 8  # halves a staged row (ops.cu)
         shared = (ATTN_TILE + 2 * 32) * row * 2 + ATTN_TILE * 33 * 4
         self.k(f"attn_tiles_{hd}")((h, len(tiles)), (128,), (*args, _i32(window)), shared)
