@@ -5,30 +5,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from fastrun.backends.base import Backend, RopeConfig, Weight
+from fastrun.backends.base import Backend, RopeConfig
 from fastrun.backends.cpu import fused, matmul, ops, stack
-from fastrun.formats.errors import FastrunError
+from fastrun.backends.cpu.weights import CPUWeight
 from fastrun.quant import dequantize
-from fastrun.quant.formats import block_format
 
 _NO_FACTORS = np.zeros(0, np.float32)
-
-
-class CPUWeight(Weight):
-    """Raw GGUF rows [n_out, row_bytes] (read-only, usually the memory map itself)."""
-
-    def __init__(self, raw: np.ndarray, qtype: str, n_out: int, n_in: int):
-        self.qtype, self.n_out, self.n_in = qtype, n_out, n_in
-        self.format = block_format(qtype)
-        if raw.shape != (n_out, self.format.row_bytes(n_in)):
-            raise FastrunError(f"{qtype} weight: bytes {raw.shape} do not fit [{n_out}, {n_in}]")
-        self.raw = raw
-        if qtype in ("F32", "F16", "BF16"):  # float weights: one float32 matrix
-            self.dense = dequantize(raw, qtype, n_out * n_in).reshape(n_out, n_in)
-        elif qtype in matmul.FORMATS:
-            self.kernel = matmul.FORMATS.index(qtype)
-        else:
-            raise FastrunError(f"the CPU backend has no matmul for {qtype} weights")
 
 
 def physical_cores() -> int:
@@ -58,9 +40,9 @@ class _Group:
             for w in ws
         )
         self.kernels = None
-        if same and all(w.qtype in matmul.FORMATS for w in ws):
+        if same and all(w.fusable for w in ws):
             self.kernels = np.array([w.kernel for w in ws], np.int64)
-            self.raws = tuple(w.raw for w in ws)
+            self.raws = tuple(w.kernel_bytes for w in ws)
             self.block_size = fmt.block_size
             self.q8k = fmt.activation == "Q8_K"
 
@@ -103,9 +85,10 @@ class CPUBackend(Backend):
             out = np.empty((x.shape[0], w.n_out), np.float32)
             matmul.matmul_f32(w.dense, x, out)
             return out
-        return matmul.qmatmul(
-            w.raw, x, w.kernel, w.format.block_size, w.format.activation == "Q8_K"
+        out = matmul.qmatmul(
+            w.kernel_bytes, x, w.kernel, w.format.block_size, w.format.activation == "Q8_K"
         )
+        return out if out.shape[1] == w.n_out else out[:, : w.n_out]  # tile padding off
 
     def _group(self, ws) -> _Group:
         key = tuple(id(w) for w in ws)
@@ -132,18 +115,18 @@ class CPUBackend(Backend):
         return fused.norm_qmatmul_many(group.raws, x, weight, float(eps), *args)
 
     def matmul_add(self, x, w, residual):
-        if w.qtype not in matmul.FORMATS:
+        if not w.fusable:
             return super().matmul_add(x, w, residual)
         x = np.ascontiguousarray(x, np.float32)
         args = (w.kernel, w.format.block_size, w.format.activation == "Q8_K")
-        return fused.qmatmul_add(w.raw, x, residual, *args)
+        return fused.qmatmul_add(w.kernel_bytes, x, residual, *args)
 
     def silu_mul_matmul_add(self, gate, up, w, residual):
-        if w.qtype not in matmul.FORMATS:
+        if not w.fusable:
             return super().silu_mul_matmul_add(gate, up, w, residual)
         gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
         args = (w.kernel, w.format.block_size, w.format.activation == "Q8_K")
-        return fused.silu_qmatmul_add(w.raw, gate, up, residual, *args)
+        return fused.silu_qmatmul_add(w.kernel_bytes, gate, up, residual, *args)
 
     def attention_inputs(self, q, k, v, biases, k_cache, v_cache, positions, slots, rope):
         q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))

@@ -240,7 +240,7 @@ BLOCKS = {
 # -- the row loop -------------------------------------------------------------------------------
 
 
-def _counted_loop(builder, start, stop, step, init, body):
+def counted_loop(builder, start, stop, step, init, body):
     """for i in range(start, stop, step): values = body(i, values); returns the final values
     (`init` when the loop runs zero times)."""
     pre = builder.block
@@ -323,9 +323,9 @@ def _make_rowdot(block, values_per_block: int, block_bytes: int, extra_lanes: in
                     carried = step(builder.add(bi, _c64(lane)), carried, lane)
                 return carried
 
-            carried = _counted_loop(builder, _c64(0), main_stop, sets, init, unrolled)
+            carried = counted_loop(builder, _c64(0), main_stop, sets, init, unrolled)
             if sets > 1:
-                carried = _counted_loop(
+                carried = counted_loop(
                     builder, main_stop, nb_v, 1, carried, lambda bi, c: step(bi, c, 0)
                 )
             sums = []

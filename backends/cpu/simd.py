@@ -62,14 +62,8 @@ def block_partials(builder, w, x, signed: bool, scales16=None):
             )
             words = [builder.bitcast(v, vec(I32, 8)) for v in (w, x)]
             return builder.call(dpbusd, [splat(I32, 8, 0), *words])
-        maddubs = _intrinsic_fn(
-            builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32)] * 2
-        )
-        maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
-        pairs = builder.call(maddubs, [w, x])  # cannot saturate: |w| <= 128, |x| <= 127
-        return builder.call(
-            maddwd, [pairs, scales16 if scales16 is not None else splat(I16, 16, 1)]
-        )
+        pairs = pair_products(builder, w, x)  # cannot saturate: |w| <= 128, |x| <= 127
+        return widen_pairs(builder, pairs, scales16 if scales16 is not None else splat(I16, 16, 1))
     widen = builder.sext if signed else builder.zext
     products = builder.mul(widen(w, vec(I32, 32)), builder.sext(x, vec(I32, 32)))
     parts = [builder.shuffle_vector(products, products, lanes(range(k, 32, 4))) for k in range(4)]
@@ -78,6 +72,36 @@ def block_partials(builder, w, x, signed: bool, scales16=None):
         return folded
     per_lane = builder.shuffle_vector(scales16, scales16, lanes(range(0, 16, 2)))
     return builder.mul(folded, builder.sext(per_lane, vec(I32, 8)))
+
+
+def _even_plus_odd(builder, v):
+    """<2n x T> -> <n x T>: lane i = v[2i] + v[2i + 1]."""
+    n = v.type.count
+    even = builder.shuffle_vector(v, v, lanes(range(0, n, 2)))
+    return builder.add(even, builder.shuffle_vector(v, v, lanes(range(1, n, 2))))
+
+
+def pair_products(builder, w, x):
+    """<32 x i8> unsigned weights times <32 x i8> signed activations -> <16 x i16>, lane i =
+    w[2i] x[2i] + w[2i+1] x[2i+1] (vpmaddubsw). Callers keep sums within int16, where the
+    instruction's saturation never applies and the portable form is exact."""
+    if HAS_AVX2:
+        maddubs = _intrinsic_fn(
+            builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32)] * 2
+        )
+        return builder.call(maddubs, [w, x])
+    products = builder.mul(builder.zext(w, vec(I16, 32)), builder.sext(x, vec(I16, 32)))
+    return _even_plus_odd(builder, products)
+
+
+def widen_pairs(builder, p, s):
+    """<16 x i16> . <16 x i16> -> <8 x i32>: lane i = p[2i] s[2i] + p[2i+1] s[2i+1]
+    (vpmaddwd)."""
+    if HAS_AVX2:
+        maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
+        return builder.call(maddwd, [p, s])
+    products = builder.mul(builder.sext(p, vec(I32, 16)), builder.sext(s, vec(I32, 16)))
+    return _even_plus_odd(builder, products)
 
 
 def unpack_nibbles32(builder, ptr, qh=None):

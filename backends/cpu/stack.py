@@ -16,10 +16,11 @@ import numpy as np
 from fastrun.backends.cpu import ops
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.fused import norm_qmatmul_many, qmatmul_add, rope_kv, silu_qmatmul_add
-from fastrun.backends.cpu.matmul import FORMATS
+from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer
 
 drop_stale_cache(
-    "stack", ("fused.py", "matmul.py", "ops.py", "activations.py", "rowdot.py", "simd.py")
+    "stack",
+    ("fused.py", "matmul.py", "ops.py", "activations.py", "rowdot.py", "simd.py", "tiles.py"),
 )
 
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
@@ -43,8 +44,9 @@ def run_blocks(
 ):  # fmt: skip
     """x [n, d] through every block, in place; returns x.
 
-    file: the model file's bytes; where int64 [L * 7, 3]: each matrix's (offset, n_out,
-    row_bytes), MATRICES order per layer; kernels int64 [L, 7] (matmul FORMATS index);
+    file: the weights' kernel bytes (weights.kernel_bytes_in_one_buffer); where int64
+    [L * 7, 3]: each matrix's (offset, units, bytes per unit), MATRICES order per layer;
+    kernels int64 [L, 7] (matmul FORMATS index);
     block_sizes int64, q8k bool [L, 4]: the activation format of the QKV, wo, gate/up and
     down products; norms [L, 2, d] (attention, FFN); bq [L, h*hd], bk, bv [L, hk*hd] (or
     [L, 0]: none); k_cache, v_cache [L, rows, hk, hd]."""
@@ -87,7 +89,7 @@ def supported(layers) -> bool:
     files = set()
     for layer in layers:
         ws = [getattr(layer, name) for name in MATRICES]
-        if any(w.qtype not in FORMATS or not w.raw.flags.c_contiguous for w in ws):
+        if any(not w.fusable or not w.raw.flags.c_contiguous for w in ws):
             return False
         files.update(id(_file_of(w.raw)) for w in ws)
         for group in (ws[:3], ws[4:6]):
@@ -102,11 +104,7 @@ class CompiledBlocks:
 
     def __init__(self, layers, eps: float, rope, scale: float):
         ws = [getattr(layer, name) for layer in layers for name in MATRICES]
-        self.file = _file_of(ws[0].raw)
-        start = self.file.__array_interface__["data"][0]
-        self.where = np.array(
-            [(w.raw.__array_interface__["data"][0] - start, *w.raw.shape) for w in ws], np.int64
-        )
+        self.file, self.where = kernel_bytes_in_one_buffer(ws)  # repacked, as one array
         self.kernels = np.array([w.kernel for w in ws], np.int64).reshape(len(layers), 7)
         products = [(layer.wq, layer.wo, layer.w_gate, layer.w_down) for layer in layers]
         self.block_sizes = np.array([[w.format.block_size for w in p] for p in products], np.int64)
