@@ -62,6 +62,19 @@ def _load(builder, base, offset, ty):
     return builder.load(ptr, align=1)
 
 
+def _c64_mul(builder, i, scale, offset):
+    """i * scale + offset (i64)."""
+    return builder.add(builder.mul(i, _c64(scale)), _c64(offset))
+
+
+def _lshr_bytes(builder, v, amount):
+    """<32 x i8> shifted right by an i16 amount the same in every lane, as 16-bit lanes
+    (vpsrlw): bits from the next byte come in at the top; callers mask them off."""
+    words = builder.bitcast(v, vec(I16, 16))
+    shifted = builder.lshr(words, _splat_val(builder, amount, 16))
+    return builder.bitcast(shifted, vec(I8, 32))
+
+
 def _at(builder, base, k):
     return builder.add(base, _c64(k))
 
@@ -112,20 +125,27 @@ class _Tok:
         return _splat_val(builder, builder.load(builder.gep(self.xd, [b])))
 
 
-def _sum_groups(builder, tok, weights, x_at, per_i16, scale16=_ONES16):
-    """Per-row int32 sums (<8 x i32>) of groups weights[g] (<32 x i8>, 4 values of each row)
-    times the token's activations at x_at[g]; pair products summed in int16 `per_i16` at a
-    time, then widened with one scale per row (scale16, lane pairs equal)."""
-    total = None
-    for start in range(0, len(weights), per_i16):
-        acc16 = None
-        group = slice(start, start + per_i16)
-        for w, at in zip(weights[group], x_at[group], strict=True):
-            p = pair_products(builder, w, tok.x4(builder, at))
-            acc16 = p if acc16 is None else builder.add(acc16, p)
-        part = widen_pairs(builder, acc16, scale16)
-        total = part if total is None else builder.add(total, part)
-    return total
+def _sum_groups(builder, toks, weight, x_at, per_i16, scale16=_ONES16):
+    """Per token, per-row int32 sums (<8 x i32>) of weight vectors weight(g) (<32 x i8>, 4
+    values of each row; emitted once, used by every token) times the token's activations at
+    x_at[g]; pair products summed in int16 `per_i16` at a time, then widened with one scale
+    per row (scale16, lane pairs equal). Groups outer, tokens inner: few vectors live."""
+    totals = [None] * len(toks)
+    for start in range(0, len(x_at), per_i16):
+        acc16 = [None] * len(toks)
+        for g in range(start, start + per_i16):
+            w = weight(g)
+            for k, tok in enumerate(toks):
+                p = pair_products(builder, w, tok.x4(builder, x_at[g]))
+                acc16[k] = p if acc16[k] is None else builder.add(acc16[k], p)
+        for k in range(len(toks)):
+            part = widen_pairs(builder, acc16[k], scale16)
+            totals[k] = part if totals[k] is None else builder.add(totals[k], part)
+    return totals
+
+
+def _add_all(builder, totals, parts):
+    return [p if t is None else builder.add(t, p) for t, p in zip(totals, parts, strict=True)]
 
 
 def _times_sum(builder, tok, b, factor, stride=1):
@@ -172,9 +192,10 @@ def _b32_block(offset=0, has_min=False, fifth_bit=False):
         x_at = [_at(builder, x0, 4 * g) for g in range(4)] + [
             _at(builder, x0, 16 + 4 * g) for g in range(4)
         ]
+        totals = _sum_groups(builder, toks, weights.__getitem__, x_at, 4 if fifth_bit else 8)
         out = []
         for k, tok in enumerate(toks):
-            total = _sum_groups(builder, tok, weights, x_at, 4 if fifth_bit else 8)
+            total = totals[k]
             if offset:  # stored as q + offset: subtract offset * (the activations' sum)
                 total = builder.sub(total, _times_sum(builder, tok, b, offset))
             acc = _fma(
@@ -241,24 +262,28 @@ def _q4_k_block(builder, tile, base, b, toks, accs):
     d = _f16x8(builder, tile, base)
     dmin = _f16x8(builder, tile, _at(builder, base, 16))
     x0 = builder.mul(b, _c64(256))
-    totals = [None] * len(toks)
-    for p in range(4):  # pairs of sub-blocks outer, tokens inner: a few vectors live at a time
-        scales = _widen_bytes(builder, tile, _at(builder, base, 32 + 16 * p))
-        packed = [
-            _load(builder, tile, _at(builder, base, 160 + 256 * p + 32 * g), vec(I8, 32))
-            for g in range(8)
-        ]
-        for half, shifted in ((0, False), (1, True)):
-            if shifted:
-                weights = [builder.lshr(v, splat(I8, 32, 4)) for v in packed]
-            else:
-                weights = [builder.and_(v, splat(I8, 32, 15)) for v in packed]
-            x_at = [_at(builder, x0, 64 * p + 32 * half + 4 * g) for g in range(8)]
-            for k, tok in enumerate(toks):
-                part = _sum_groups(
-                    builder, tok, weights, x_at, 8, _pick_pairs(builder, scales, half)
-                )
-                totals[k] = part if totals[k] is None else builder.add(totals[k], part)
+
+    def pair_of_sub_blocks(p, totals):
+        # a loop, not unrolled: in one long block LLVM hoists every unpacked vector and
+        # spills them all
+        scales = _widen_bytes(builder, tile, builder.add(base, _c64_mul(builder, p, 16, 32)))
+        qs = builder.add(base, _c64_mul(builder, p, 256, 160))
+        xp = builder.add(x0, _c64_mul(builder, p, 64, 0))
+        for half in range(2):  # low nibbles: sub-block 2p, high: 2p + 1
+
+            def weight(g, half=half):
+                packed = _load(builder, tile, _at(builder, qs, 32 * g), vec(I8, 32))
+                if half:
+                    return builder.lshr(packed, splat(I8, 32, 4))
+                return builder.and_(packed, splat(I8, 32, 15))
+
+            x_at = [_at(builder, xp, 32 * half + 4 * g) for g in range(8)]
+            scale16 = _pick_pairs(builder, scales, half)
+            totals = _add_all(builder, totals, _sum_groups(builder, toks, weight, x_at, 8, scale16))
+        return totals
+
+    zero = ir.Constant(_V8I, [0] * 8)
+    totals = counted_loop(builder, _c64(0), _c64(4), 1, [zero] * len(toks), pair_of_sub_blocks)
     out = []
     for k, tok in enumerate(toks):
         xd = tok.scale(builder, b)
@@ -275,31 +300,37 @@ def _q6_k_block(builder, tile, base, b, toks, accs):
     bytes of ql[64h + 4g..], ql[64h + 32 + 4g..], qh[32h + 4g..]; values stored as q + 32."""
     d = _f16x8(builder, tile, base)
     x0 = builder.mul(b, _c64(256))
-    totals = [None] * len(toks)
-    for h in range(2):
-        for quarter in range(4):  # 32 values: 128h + 32 quarter + 0..31, scales 8h + 2q + 0/1
-            weights = []
-            for g in range(8):
-                at = _at(builder, base, 144 + 768 * h + 96 * g)
-                low = _load(builder, tile, _at(builder, at, 32 * (quarter % 2)), vec(I8, 32))
-                if quarter >= 2:
-                    low = builder.lshr(low, splat(I8, 32, 4))
-                low = builder.and_(low, splat(I8, 32, 15))
-                high = _load(builder, tile, _at(builder, at, 64), vec(I8, 32))
-                high = builder.and_(
-                    builder.lshr(high, splat(I8, 32, 2 * quarter)), splat(I8, 32, 3)
-                )
-                weights.append(builder.or_(low, builder.shl(high, splat(I8, 32, 4))))
-            pair = 4 * h + quarter
-            scales = _widen_bytes(builder, tile, _at(builder, base, 16 + 16 * pair), signed=True)
-            x_at = [_at(builder, x0, 128 * h + 32 * quarter + 4 * g) for g in range(8)]
-            for k, tok in enumerate(toks):
-                for e in range(2):  # sub-blocks of 16 values: groups 4e..4e+3
-                    part = _sum_groups(
-                        builder, tok, weights[4 * e : 4 * e + 4], x_at[4 * e : 4 * e + 4], 2,
-                        _pick_pairs(builder, scales, e),
-                    )  # fmt: skip
-                    totals[k] = part if totals[k] is None else builder.add(totals[k], part)
+
+    def quarter_block(pair, totals):
+        # values 128h + 32q + 0..31 with scales 16 + 2 pair + 0/1, pair = 4h + q; a loop
+        # with shifts by q, not unrolled (see _q4_k_block)
+        h, q = builder.lshr(pair, _c64(2)), builder.and_(pair, _c64(3))
+        quants = builder.add(base, _c64_mul(builder, h, 768, 144))
+        low_at = builder.add(quants, _c64_mul(builder, builder.and_(q, _c64(1)), 32, 0))
+        low_shift = builder.trunc(builder.mul(builder.lshr(q, _c64(1)), _c64(4)), I16)
+        high_shift = builder.trunc(builder.mul(q, _c64(2)), I16)
+
+        def weight(g):
+            low = _load(builder, tile, _at(builder, low_at, 96 * g), vec(I8, 32))
+            low = builder.and_(_lshr_bytes(builder, low, low_shift), splat(I8, 32, 15))
+            high = _load(builder, tile, _at(builder, quants, 96 * g + 64), vec(I8, 32))
+            high = builder.and_(_lshr_bytes(builder, high, high_shift), splat(I8, 32, 3))
+            return builder.or_(low, builder.shl(high, splat(I8, 32, 4)))
+
+        scales_at = builder.add(base, _c64_mul(builder, pair, 16, 16))
+        scales = _widen_bytes(builder, tile, scales_at, signed=True)
+        xq = builder.add(x0, _c64_mul(builder, pair, 32, 0))  # 128h + 32q = 32 pair
+        for e in range(2):  # sub-blocks of 16 values: groups 4e..4e+3
+            x_at = [_at(builder, xq, 16 * e + 4 * g) for g in range(4)]
+            parts = _sum_groups(
+                builder, toks, lambda g, e=e: weight(4 * e + g), x_at, 2,
+                _pick_pairs(builder, scales, e),
+            )  # fmt: skip
+            totals = _add_all(builder, totals, parts)
+        return totals
+
+    zero = ir.Constant(_V8I, [0] * 8)
+    totals = counted_loop(builder, _c64(0), _c64(8), 1, [zero] * len(toks), quarter_block)
     out = []
     for k, tok in enumerate(toks):
         # the +32 offset, in the integer lanes as llama.cpp subtracts it
