@@ -180,6 +180,39 @@ def test_matmul_many(backend, types):
         )
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_each_row_of_a_product_is_the_product_of_that_row_alone(qtype):
+    """CPU batch invariance at the kernel: a row's product has the same bits alone, in a
+    4-row group of a tile product or among its leftovers; 44 outputs: a tile of 8 rows with
+    4 padding rows (tiles.py), its padding sliced off."""
+    cpu = get_backend("cpu")
+    rng = np.random.default_rng(seed_of(qtype, "rows"))
+    raw = random_blocks(qtype, 44, 512, rng)
+    x = rng.standard_normal((11, 512)).astype(np.float32)
+    w = cpu.load_weight(raw, qtype, 44, 512)
+    together = cpu.matmul(x, w)
+    assert together.shape == (11, 44)
+    for i in range(len(x)):
+        np.testing.assert_array_equal(cpu.matmul(x[i : i + 1], w)[0], together[i])
+    expect = ref.matmul(x, ref.load_weight(raw, qtype, 44, 512))
+    np.testing.assert_allclose(together, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
+
+
+def test_tiles_hold_eight_rows_interleaved_four_values_at_a_time():
+    """The repacked layout (tiles.py): Q8_0 values of rows r at bytes 16 + 32 g + 4 r.."""
+    from fastrun.backends.cpu.tiles import repack
+
+    raw = random_blocks("Q8_0", 8, 64, np.random.default_rng(3))
+    tiles = repack(raw, "Q8_0")
+    assert tiles.shape == (1, 2 * 8 * 34)
+    first_block = tiles[0, : 8 * 34]
+    for r in range(8):
+        np.testing.assert_array_equal(first_block[2 * r : 2 * r + 2], raw[r, 0:2])  # d
+        for g in range(8):
+            at = 16 + 32 * g + 4 * r
+            np.testing.assert_array_equal(first_block[at : at + 4], raw[r, 2 + 4 * g : 6 + 4 * g])
+
+
 def test_kernels_use_vector_instructions():
     """The compiled matmul really holds the SIMD dot product (vpmaddubsw on AVX2 hosts).
     Numba shows no assembly for cached code, so compile an uncached copy."""
@@ -189,10 +222,10 @@ def test_kernels_use_vector_instructions():
     from fastrun.backends.cpu.activations import quantize_rows
 
     kernel = numba.njit(parallel=True, fastmath=True)(matmul.matmul_q.py_func)
-    raw = random_blocks("Q4_K", 2, 256, np.random.default_rng(0))
-    raw.flags.writeable = False
+    raw = random_blocks("Q4_K", 8, 256, np.random.default_rng(0))
+    tiles = get_backend("cpu").load_weight(raw, "Q4_K", 8, 256).kernel_bytes
     xq, xd, xs, isum = quantize_rows(np.ones((1, 256), np.float32), "Q8_K")
-    kernel(raw, xq, xd, xs, isum, np.empty((1, 2), np.float32), matmul.FORMATS.index("Q4_K"), 256)
+    kernel(tiles, xq, xd, xs, isum, np.empty((1, 8), np.float32), matmul.FORMATS.index("Q4_K"), 256)
     asm = "".join(kernel.inspect_asm().values())
     if simd.HAS_AVX2:
         assert "vpmaddubsw" in asm and "vpmaddwd" in asm and "vcvtph2ps" in asm

@@ -11,9 +11,7 @@ from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.matmul import qmatmul, qmatmul_many
 from fastrun.backends.cpu.ops import kv_store, rms_norm, rope, silu_mul
 
-drop_stale_cache(
-    "fused", ("matmul.py", "ops.py", "activations.py", "rowdot.py", "simd.py", "tiles.py")
-)
+drop_stale_cache("fused", ("matmul.py", "ops.py", "activations.py", "simd.py", "tiles.py"))
 
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 

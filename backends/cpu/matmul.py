@@ -1,12 +1,11 @@
 """Quantized matrix products on the CPU: weight bytes times quantized activations.
 
 Weights arrive repacked at load into tiles of 8 rows (tiles.py, as llama.cpp's repacked
-kernels), Q5_K as the raw rows of the file (rowdot.py, as llama.cpp's vec_dot kernels).
-Shapes: w [tiles, tile bytes] (Q5_K: [n_out, row_bytes]) uint8, xq [n, n_in] int8, xd
+kernels). Shapes: w [tiles, tile bytes] uint8, xq [n, n_in] int8, xd
 per-block activation scales, xs fp16-rounded scaled block sums (Q8_1), isum integer block
 sums (Q8_0) or 16-value sums (Q8_K), out [n, n_out] (n_out a multiple of 8 for tiles: rows
 past a weight's own are zero padding, which the backend slices off). Threads split the
-tiles (rows); each weight vector is unpacked once per 4 tokens.
+tiles; each weight vector is unpacked once per 4 tokens.
 """
 
 from __future__ import annotations
@@ -16,31 +15,26 @@ import numpy as np
 
 from fastrun.backends.cpu.activations import quantize
 from fastrun.backends.cpu.cache import drop_stale_cache
-from fastrun.backends.cpu.rowdot import ROWDOT
-from fastrun.backends.cpu.tiles import TILE_PRODUCTS, TILE_ROWS
+from fastrun.backends.cpu.tiles import TILE_FORMATS, TILE_PRODUCTS, TILE_ROWS
 
-drop_stale_cache("matmul", ("rowdot.py", "simd.py", "tiles.py", "activations.py"))  # inlined
+drop_stale_cache("matmul", ("simd.py", "tiles.py", "activations.py"))  # code it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
 
-# Quantized formats of the integer kernel; `fmt` below indexes this tuple. All but Q5_K are
-# multiplied as repacked tiles of 8 rows (tiles.py); Q5_K row by row from the raw bytes.
-FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-TILED = np.array([name in TILE_PRODUCTS for name in FORMATS])
-_Q40_1, _Q40_4 = TILE_PRODUCTS["Q4_0"]
-_Q41_1, _Q41_4 = TILE_PRODUCTS["Q4_1"]
-_Q50_1, _Q50_4 = TILE_PRODUCTS["Q5_0"]
-_Q80_1, _Q80_4 = TILE_PRODUCTS["Q8_0"]
-_Q4K_1, _Q4K_4 = TILE_PRODUCTS["Q4_K"]
-_Q6K_1, _Q6K_4 = TILE_PRODUCTS["Q6_K"]
-_, _Q5K_1, _Q5K_4 = ROWDOT["Q5_K"]
-_Q5K = FORMATS.index("Q5_K")
+# Quantized formats of the integer kernel, each multiplied as repacked tiles of 8 rows
+# (tiles.py); `fmt` below indexes this tuple, the order of the branches of _tile1/_tile4.
+FORMATS = tuple(TILE_FORMATS)
+assert FORMATS == ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+(_Q40_1, _Q40_4), (_Q41_1, _Q41_4), (_Q50_1, _Q50_4), (_Q80_1, _Q80_4) = (
+    TILE_PRODUCTS[name] for name in FORMATS[:4]
+)
+(_Q4K_1, _Q4K_4), (_Q5K_1, _Q5K_4), (_Q6K_1, _Q6K_4) = (TILE_PRODUCTS[n] for n in FORMATS[4:])
 
 
 @nb.njit(inline="always", **_JIT)
-def out_columns(w, fmt):
-    """Outputs of weight bytes w: 8 per tile (the last tile's padding rows included)."""
-    return w.shape[0] * TILE_ROWS if TILED[fmt] else w.shape[0]
+def out_columns(w):
+    """Outputs of tiles w: 8 per tile (the last tile's padding rows included)."""
+    return w.shape[0] * TILE_ROWS
 
 
 @nb.njit(inline="always", **_JIT)
@@ -55,6 +49,8 @@ def _tile1(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
         _Q80_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
     elif fmt == 4:
         _Q4K_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 5:
+        _Q5K_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
     else:
         _Q6K_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
 
@@ -71,26 +67,17 @@ def _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
         _Q80_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
     elif fmt == 4:
         _Q4K_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 5:
+        _Q5K_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
     else:
         _Q6K_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
 
 
 @nb.njit(inline="always", **_JIT)
 def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
-    """Work unit u of weight w: tile u (8 output rows), or for Q5_K row u, times every
-    activation row; 4 activation rows at a time share each unpacked weight vector."""
+    """Tile u of weight w (8 output rows) times every activation row; 4 activation rows at
+    a time share each unpacked weight vector."""
     n = xq.shape[0]
-    if fmt == _Q5K:
-        row = w[u]
-        t = 0
-        while t + 4 <= n:
-            r = _Q5K_4(row, xq, xd, xs, isum, t, n_blocks)
-            out[t, u], out[t + 1, u], out[t + 2, u], out[t + 3, u] = r
-            t += 4
-        while t < n:
-            out[t, u] = _Q5K_1(row, xq, xd, xs, isum, t, n_blocks)
-            t += 1
-        return
     o0 = u * TILE_ROWS
     tile = w[u]
     t = 0
@@ -104,8 +91,8 @@ def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
 
 @nb.njit(parallel=True, **_JIT)
 def matmul_q(w, xq, xd, xs, isum, out, fmt, block_size):
-    """Quantized weight of format FORMATS[fmt] (tiles, or Q5_K rows) times quantized
-    activations; out [n, out_columns(w, fmt)]."""
+    """Quantized weight tiles of format FORMATS[fmt] times quantized
+    activations; out [n, out_columns(w)]."""
     n_blocks = xq.shape[1] // block_size
     for u in nb.prange(w.shape[0]):
         _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks)
@@ -131,7 +118,7 @@ def qmatmul(w, x, fmt, block_size, q8k):
     """x float32 [n, n_in] times weight rows w of FORMATS[fmt]: quantize, multiply, in one
     call from Python (a decode step makes hundreds of these)."""
     xq, xd, xs, isum = quantize(x, q8k)
-    out = np.empty((x.shape[0], out_columns(w, fmt)), np.float32)
+    out = np.empty((x.shape[0], out_columns(w)), np.float32)
     matmul_q(w, xq, xd, xs, isum, out, fmt, block_size)
     return out
 
@@ -140,7 +127,7 @@ def qmatmul(w, x, fmt, block_size, q8k):
 def qmatmul_many(ws, x, fmts, block_size, q8k):
     """Several weights sharing one activation format: one quantization, one thread launch."""
     xq, xd, xs, isum = quantize(x, q8k)
-    outs = [np.empty((x.shape[0], out_columns(ws[i], fmts[i])), np.float32) for i in range(len(ws))]
+    outs = [np.empty((x.shape[0], out_columns(ws[i])), np.float32) for i in range(len(ws))]
     matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size)
     return outs
 

@@ -1,4 +1,4 @@
-"""LLVM vector IR building blocks for the CPU kernels (used by rowdot.py's intrinsics).
+"""LLVM vector IR building blocks for the CPU kernels (used by tiles.py's intrinsics).
 
 Numba's auto-vectorizer gives up on the 16- and 32-wide per-block loops of the quantized
 formats, so the block arithmetic is emitted as vector IR directly. On AVX2 hosts the integer
@@ -102,16 +102,3 @@ def widen_pairs(builder, p, s):
         return builder.call(maddwd, [p, s])
     products = builder.mul(builder.sext(p, vec(I32, 16)), builder.sext(s, vec(I32, 16)))
     return _even_plus_odd(builder, products)
-
-
-def unpack_nibbles32(builder, ptr, qh=None):
-    """16 packed bytes at ptr -> <32 x i8>: low nibbles are values 0..15, high 16..31; with
-    qh (i32), bit i of it is the fifth bit of value i (Q5_0)."""
-    packed = builder.load(builder.bitcast(ptr, vec(I8, 16).as_pointer()), align=1)
-    lo = builder.and_(packed, splat(I8, 16, 15))
-    hi = builder.lshr(packed, splat(I8, 16, 4))
-    vals = builder.shuffle_vector(lo, hi, lanes(range(32)))
-    if qh is not None:
-        mask = builder.bitcast(qh, vec(ir.IntType(1), 32))
-        vals = builder.or_(vals, builder.shl(builder.zext(mask, vec(I8, 32)), splat(I8, 32, 4)))
-    return vals

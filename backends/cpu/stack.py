@@ -20,7 +20,7 @@ from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer
 
 drop_stale_cache(
     "stack",
-    ("fused.py", "matmul.py", "ops.py", "activations.py", "rowdot.py", "simd.py", "tiles.py"),
+    ("fused.py", "matmul.py", "ops.py", "activations.py", "simd.py", "tiles.py"),
 )
 
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)

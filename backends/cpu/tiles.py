@@ -12,8 +12,8 @@ Every output is computed the same way whatever the number of activation rows or 
 (blocks in order, one fused multiply-add chain per output): products of 1 and of 16 rows
 agree bit for bit, which batch invariance needs.
 
-A tile format is the repacking (NumPy, once at load, from quant.reference's block layouts)
-and the IR that multiplies one repacked block (`_block_*`); `TILE_FORMATS` lists them.
+A tile format is its repacking (once at load, from quant.reference's block layouts) and the
+IR that multiplies one repacked block (`_*_block`); `TILE_FORMATS` lists them.
 Integer partial sums stay in int16 only as far as they cannot overflow: 8 `vpmaddubsw`
 pairs of 4-bit values (8 * 2 * 15 * 127 < 2**15), 4 of 5-bit, 2 of 6-bit, 1 of 8-bit.
 """
@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fastrun.backends.cpu.rowdot import counted_loop
 from fastrun.backends.cpu.simd import (
     I8,
     I16,
@@ -111,7 +111,7 @@ def _pick_pairs(builder, v16, which):
 
 
 class _Tok:
-    """One activation row: pointers to its int8 values, scales, sums (as rowdot.py's)."""
+    """One activation row: pointers to its int8 values, block scales and sums."""
 
     def __init__(self, x, xd, xs, isum):
         self.x, self.xd, self.xs, self.isum = x, xd, xs, isum
@@ -256,43 +256,57 @@ def _scaled_sums(builder, tile, at, n_words, sums, signed):
     return total
 
 
-def _q4_k_block(builder, tile, base, b, toks, accs):
-    """Q4_K: d[8], dmin[8], scales and mins (each [4 pairs][8 rows][2]), then per pair p of
+def _k45_block(fifth_bit: bool):
+    """Q4_K, Q5_K: d[8], dmin[8], scales and mins (each [4 pairs][8 rows][2]), Q5_K's fifth
+    bits (8 groups of 32 bytes: bit j of a byte for sub-block j), then per pair p of
     sub-blocks 8 groups of 32 bytes: low nibbles sub-block 2p, high 2p + 1."""
-    d = _f16x8(builder, tile, base)
-    dmin = _f16x8(builder, tile, _at(builder, base, 16))
-    x0 = builder.mul(b, _c64(256))
+    qs_at = 160 + (256 if fifth_bit else 0)
 
-    def pair_of_sub_blocks(p, totals):
-        # a loop, not unrolled: in one long block LLVM hoists every unpacked vector and
-        # spills them all
-        scales = _widen_bytes(builder, tile, builder.add(base, _c64_mul(builder, p, 16, 32)))
-        qs = builder.add(base, _c64_mul(builder, p, 256, 160))
-        xp = builder.add(x0, _c64_mul(builder, p, 64, 0))
-        for half in range(2):  # low nibbles: sub-block 2p, high: 2p + 1
+    def block(builder, tile, base, b, toks, accs):
+        d = _f16x8(builder, tile, base)
+        dmin = _f16x8(builder, tile, _at(builder, base, 16))
+        x0 = builder.mul(b, _c64(256))
 
-            def weight(g, half=half):
-                packed = _load(builder, tile, _at(builder, qs, 32 * g), vec(I8, 32))
-                if half:
-                    return builder.lshr(packed, splat(I8, 32, 4))
-                return builder.and_(packed, splat(I8, 32, 15))
+        def pair_of_sub_blocks(p, totals):
+            # a loop, not unrolled: in one long block LLVM hoists every unpacked vector and
+            # spills them all
+            scales = _widen_bytes(builder, tile, builder.add(base, _c64_mul(builder, p, 16, 32)))
+            qs = builder.add(base, _c64_mul(builder, p, 256, qs_at))
+            xp = builder.add(x0, _c64_mul(builder, p, 64, 0))
+            for half in range(2):  # low nibbles: sub-block 2p, high: 2p + 1
+                sub_block = builder.trunc(_c64_mul(builder, p, 2, half), I16)
 
-            x_at = [_at(builder, xp, 32 * half + 4 * g) for g in range(8)]
-            scale16 = _pick_pairs(builder, scales, half)
-            totals = _add_all(builder, totals, _sum_groups(builder, toks, weight, x_at, 8, scale16))
-        return totals
+                def weight(g, half=half, sub_block=sub_block):
+                    packed = _load(builder, tile, _at(builder, qs, 32 * g), vec(I8, 32))
+                    if half:
+                        v = builder.lshr(packed, splat(I8, 32, 4))
+                    else:
+                        v = builder.and_(packed, splat(I8, 32, 15))
+                    if not fifth_bit:
+                        return v
+                    bits = _load(builder, tile, _at(builder, base, 160 + 32 * g), vec(I8, 32))
+                    five = builder.and_(_lshr_bytes(builder, bits, sub_block), splat(I8, 32, 1))
+                    return builder.or_(v, builder.shl(five, splat(I8, 32, 4)))
 
-    zero = ir.Constant(_V8I, [0] * 8)
-    totals = counted_loop(builder, _c64(0), _c64(4), 1, [zero] * len(toks), pair_of_sub_blocks)
-    out = []
-    for k, tok in enumerate(toks):
-        xd = tok.scale(builder, b)
-        mins = _scaled_sums(builder, tile, _at(builder, base, 96), 4, _sub_block_sums(
-            builder, tok, b, pairs=True), signed=False)  # fmt: skip
-        acc = _fma(builder, builder.sitofp(totals[k], _V8F), builder.fmul(d, xd), accs[k][0])
-        acc_min = _fma(builder, builder.sitofp(mins, _V8F), builder.fmul(dmin, xd), accs[k][1])
-        out.append((acc, acc_min))
-    return out
+                x_at = [_at(builder, xp, 32 * half + 4 * g) for g in range(8)]
+                scale16 = _pick_pairs(builder, scales, half)
+                parts = _sum_groups(builder, toks, weight, x_at, 4 if fifth_bit else 8, scale16)
+                totals = _add_all(builder, totals, parts)
+            return totals
+
+        zero = ir.Constant(_V8I, [0] * 8)
+        totals = counted_loop(builder, _c64(0), _c64(4), 1, [zero] * len(toks), pair_of_sub_blocks)
+        out = []
+        for k, tok in enumerate(toks):
+            xd = tok.scale(builder, b)
+            mins = _scaled_sums(builder, tile, _at(builder, base, 96), 4, _sub_block_sums(
+                builder, tok, b, pairs=True), signed=False)  # fmt: skip
+            acc = _fma(builder, builder.sitofp(totals[k], _V8F), builder.fmul(d, xd), accs[k][0])
+            acc_min = _fma(builder, builder.sitofp(mins, _V8F), builder.fmul(dmin, xd), accs[k][1])
+            out.append((acc, acc_min))
+        return out
+
+    return block
 
 
 def _q6_k_block(builder, tile, base, b, toks, accs):
@@ -303,7 +317,7 @@ def _q6_k_block(builder, tile, base, b, toks, accs):
 
     def quarter_block(pair, totals):
         # values 128h + 32q + 0..31 with scales 16 + 2 pair + 0/1, pair = 4h + q; a loop
-        # with shifts by q, not unrolled (see _q4_k_block)
+        # with shifts by q, not unrolled (see _k45_block)
         h, q = builder.lshr(pair, _c64(2)), builder.and_(pair, _c64(3))
         quants = builder.add(base, _c64_mul(builder, h, 768, 144))
         low_at = builder.add(quants, _c64_mul(builder, builder.and_(q, _c64(1)), 32, 0))
@@ -342,82 +356,108 @@ def _q6_k_block(builder, tile, base, b, toks, accs):
     return out
 
 
-# -- repacking (NumPy, once per weight) ---------------------------------------------------------
+# -- repacking (once per weight) ----------------------------------------------------------------
+#
+# A tile block is a fixed permutation of the 8 rows' block bytes, plus bytes derived from
+# them (Q4_K/Q5_K scales and mins unpacked to one byte each, Q5_0's fifth bits regrouped):
+# NumPy appends the derived bytes to each row's block (its "image"), and one compiled
+# gather moves 2-byte units by the format's permutation.
 
 
-def _interleave(field: np.ndarray, n_tiles: int, group: int) -> np.ndarray:
-    """[rows, nb, L] bytes of a field -> [tiles, nb, L * 8] with `group` bytes of row 0, of
-    row 1, ..., of row 7, then the next group."""
-    _, nb, length = field.shape
-    tiled = field.reshape(n_tiles, TILE_ROWS, nb, length // group, group)
-    return tiled.transpose(0, 2, 3, 1, 4).reshape(n_tiles, nb, length * TILE_ROWS)
+def _span(name: str, field: str, group: int) -> tuple[range, int]:
+    """The groups of `group` bytes of a raw block field (offsets from quant.reference)."""
+    dtype, offset = BLOCK_DTYPES[name].fields[field][:2]
+    return range(offset, offset + dtype.itemsize, group), group
 
 
-def _bytes(a: np.ndarray) -> np.ndarray:
-    """[rows, nb, ...] of any dtype -> [rows, nb, bytes]."""
-    a = np.ascontiguousarray(a)
-    return a.view(np.uint8).reshape(a.shape[0], a.shape[1], -1)
-
-
-def _fields_b32(blocks, name):
-    fields = [(_bytes(blocks["d"]), 2)]
-    if name == "Q4_1":
-        fields.append((_bytes(blocks["m"]), 2))
-    if name == "Q5_0":  # bit g / 4 + g of byte i: fifth bit of value 4g + i / 16 + 4g + i
-        bits = (blocks["qh"][..., None] >> np.arange(32, dtype=np.uint32)) & 1
-        bits = bits.reshape(*blocks.shape, 2, 4, 4).astype(np.uint8)  # [half, g, i]
-        shifts = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)
-        fifth = (bits << shifts[..., None]).sum(axis=(2, 3), dtype=np.uint8)
-        fields.append((fifth, 4))
-    qs = blocks["qs"].view(np.uint8)
-    fields.append((qs, 4))
-    return fields
-
-
-def _fields_q4_k(blocks, name):
+def _derived_k45(blocks, name):
+    """Scales then mins (8 bytes each) of each Q4_K/Q5_K block, unpacked."""
     scales, mins = k_scales_mins(blocks["scales"].reshape(-1, 12))
-    shape = (*blocks.shape, 8)
-    return [
-        (_bytes(blocks["d"]), 2),
-        (_bytes(blocks["dmin"]), 2),
-        (scales.astype(np.uint8).reshape(shape), 2),
-        (mins.astype(np.uint8).reshape(shape), 2),
-        (blocks["qs"], 4),
-    ]
+    return np.concatenate([scales, mins], axis=1).astype(np.uint8).reshape(*blocks.shape, 16)
 
 
-def _fields_q6_k(blocks, name):
-    rows, nb = blocks.shape
-    ql = blocks["ql"].reshape(rows, nb, 2, 2, 8, 4)  # [h, ql half, g, i]
-    qh = blocks["qh"].reshape(rows, nb, 2, 1, 8, 4)
-    quants = np.concatenate([ql, qh], axis=3).transpose(0, 1, 2, 4, 3, 5)  # [h, g, 3, i]
-    return [
-        (_bytes(blocks["d"]), 2),
-        (blocks["scales"].view(np.uint8), 2),
-        (quants.reshape(rows, nb, 192), 4),
+def _derived_q5_0(blocks, name):
+    """Byte i of 4: bit g the fifth bit of value 4g + i, bit 4 + g that of 16 + 4g + i."""
+    qh = blocks["qh"]
+    out = np.zeros((*blocks.shape, 4), np.uint8)
+    for i in range(4):
+        for half in range(2):
+            for g in range(4):
+                bit = (qh >> np.uint32(16 * half + 4 * g + i)) & np.uint32(1)
+                out[..., i] |= (bit << np.uint32(4 * half + g)).astype(np.uint8)
+    return out
+
+
+def _layout(name: str) -> list[tuple[range | list[int], int]]:
+    """A tile block's fields in order: the image offsets of their groups, group bytes."""
+    bb = block_format(name).block_bytes  # derived bytes start here
+    d = _span(name, "d", 2)
+    if name in ("Q4_0", "Q8_0"):
+        return [d, _span(name, "qs", 4)]
+    if name == "Q4_1":
+        return [d, _span(name, "m", 2), _span(name, "qs", 4)]
+    if name == "Q5_0":
+        return [d, (range(bb, bb + 4, 4), 4), _span(name, "qs", 4)]
+    if name in ("Q4_K", "Q5_K"):
+        scales_mins = [(range(bb, bb + 8, 2), 2), (range(bb + 8, bb + 16, 2), 2)]
+        fifth = [_span(name, "qh", 4)] if name == "Q5_K" else []
+        return [d, _span(name, "dmin", 2), *scales_mins, *fifth, _span(name, "qs", 4)]
+    # Q6_K: per half h and group g: ql[64h + 4g..], ql[64h + 32 + 4g..], qh[32h + 4g..]
+    ql, qh = (BLOCK_DTYPES[name].fields[f][1] for f in ("ql", "qh"))
+    quants = [
+        ql + 64 * h + 32 * k + 4 * g if k < 2 else qh + 32 * h + 4 * g
+        for h in range(2)
+        for g in range(8)
+        for k in range(3)
     ]
+    return [_span(name, "d", 2), _span(name, "scales", 2), (quants, 4)]
+
+
+def _permutation(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """For each 2-byte unit of a tile block: the row (0-7) and image unit it comes from."""
+    rows, units = [], []
+    for offsets, group in _layout(name):
+        for at in offsets:
+            for r in range(TILE_ROWS):
+                rows.extend([r] * (group // 2))
+                units.extend(range(at // 2, (at + group) // 2))
+    return np.array(rows, np.int64), np.array(units, np.int64)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _gather(image, n_rows, rows_of, units_of, out):
+    """out [tiles, nb, width] uint16 from image [n_rows, nb, *] uint16; rows past n_rows
+    (the last tile's padding) are zero."""
+    n_tiles, n_blocks, width = out.shape
+    for t in nb.prange(n_tiles):
+        for b in range(n_blocks):
+            for j in range(width):
+                r = t * TILE_ROWS + rows_of[j]
+                out[t, b, j] = image[r, b, units_of[j]] if r < n_rows else 0
 
 
 class TileFormat(NamedTuple):
     block: Callable  # IR of one repacked block times the tokens: new accumulators per token
-    fields: Callable  # (blocks [rows, nb] of BLOCK_DTYPES, name) -> [(bytes, group)]
+    derived: Callable | None = None  # (blocks [rows, nb] of BLOCK_DTYPES, name) -> bytes
     second: str = ""  # a second accumulator per output ("add": Q4_1's min, "sub": Q4_K's)
 
 
 TILE_FORMATS = {
-    "Q4_0": TileFormat(_b32_block(offset=8), _fields_b32),
-    "Q4_1": TileFormat(_b32_block(has_min=True), _fields_b32, "add"),
-    "Q5_0": TileFormat(_b32_block(offset=16, fifth_bit=True), _fields_b32),
-    "Q8_0": TileFormat(_q8_0_block, _fields_b32),
-    "Q4_K": TileFormat(_q4_k_block, _fields_q4_k, "sub"),
-    "Q6_K": TileFormat(_q6_k_block, _fields_q6_k),
+    "Q4_0": TileFormat(_b32_block(offset=8)),
+    "Q4_1": TileFormat(_b32_block(has_min=True), second="add"),
+    "Q5_0": TileFormat(_b32_block(offset=16, fifth_bit=True), _derived_q5_0),
+    "Q8_0": TileFormat(_q8_0_block),
+    "Q4_K": TileFormat(_k45_block(fifth_bit=False), _derived_k45, "sub"),
+    "Q5_K": TileFormat(_k45_block(fifth_bit=True), _derived_k45, "sub"),
+    "Q6_K": TileFormat(_q6_k_block),
 }
+_PERMUTATIONS = {name: _permutation(name) for name in TILE_FORMATS}
 
 
 def tile_block_bytes(name: str) -> int:
-    """Bytes of one repacked block of 8 rows (the raw blocks' bytes, more for Q4_K's
-    unpacked scales and mins)."""
-    return {"Q4_K": 1184}.get(name, TILE_ROWS * block_format(name).block_bytes)
+    """Bytes of one repacked block of 8 rows (Q4_K, Q5_K: 32 more than the raw blocks, for
+    scales and mins of a byte each)."""
+    return 2 * len(_PERMUTATIONS[name][0])
 
 
 def tiled_shape(name: str, n_out: int, n_in: int) -> tuple[int, int]:
@@ -429,24 +469,49 @@ def tiled_shape(name: str, n_out: int, n_in: int) -> tuple[int, int]:
 def repack(raw: np.ndarray, name: str, out: np.ndarray | None = None) -> np.ndarray:
     """Raw rows [n_out, row_bytes] of format name -> tiles [ceil(n_out / 8), tile bytes]
     (into out when given); rows past n_out are zero blocks, which add nothing."""
-    n_out = raw.shape[0]
-    n_tiles = -(-n_out // TILE_ROWS)
     fmt = block_format(name)
-    nb = raw.shape[1] // fmt.block_bytes
-    padded = np.zeros((n_tiles * TILE_ROWS, raw.shape[1]), np.uint8)
-    padded[:n_out] = raw
-    blocks = padded.view(BLOCK_DTYPES[name]).reshape(n_tiles * TILE_ROWS, nb)
-    parts = [
-        _interleave(field, n_tiles, group)
-        for field, group in TILE_FORMATS[name].fields(blocks, name)
-    ]
+    n_out, nb = raw.shape[0], raw.shape[1] // fmt.block_bytes
+    image = np.ascontiguousarray(raw).reshape(n_out, nb, fmt.block_bytes)
+    derived = TILE_FORMATS[name].derived
+    if derived is not None:
+        blocks = image.reshape(n_out, -1).view(BLOCK_DTYPES[name])
+        image = np.concatenate([image, derived(blocks, name)], axis=2)
     if out is None:
         out = np.empty(tiled_shape(name, n_out, nb * fmt.block_size), np.uint8)
-    np.concatenate(parts, axis=2, out=out.reshape(n_tiles, nb, -1))
+    rows_of, units_of = _PERMUTATIONS[name]
+    tiles16 = out.reshape(out.shape[0], nb, -1).view(np.uint16)
+    _gather(image.view(np.uint16), n_out, rows_of, units_of, tiles16)
     return out
 
 
 # -- the tile loop ------------------------------------------------------------------------------
+
+
+def counted_loop(builder, start, stop, step, init, body):
+    """for i in range(start, stop, step): values = body(i, values); returns the final values
+    (`init` when the loop runs zero times)."""
+    pre = builder.block
+    loop = builder.append_basic_block("loop")
+    after = builder.append_basic_block("loop.done")
+    builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
+    builder.position_at_end(loop)
+    i = builder.phi(_I64)
+    phis = [builder.phi(v.type) for v in init]
+    new = body(i, phis)
+    i_next = builder.add(i, _c64(step))
+    end = builder.block
+    builder.cbranch(builder.icmp_signed("<", i_next, stop), loop, after)
+    i.add_incoming(start, pre)
+    i.add_incoming(i_next, end)
+    for phi, v0, v1 in zip(phis, init, new, strict=True):
+        phi.add_incoming(v0, pre)
+        phi.add_incoming(v1, end)
+    builder.position_at_end(after)
+    outs = [builder.phi(v.type) for v in init]
+    for out, v0, v1 in zip(outs, init, new, strict=True):
+        out.add_incoming(v0, pre)
+        out.add_incoming(v1, end)
+    return outs
 
 
 def _make_tile_product(name: str, n_tok: int):

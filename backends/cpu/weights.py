@@ -1,5 +1,5 @@
-"""Weights of the CPU backend: the raw GGUF rows, and the bytes its kernels read (repacked
-tiles, made on first use or for a whole model at once)."""
+"""Weights of the CPU backend: the raw GGUF rows, and the tiles its kernels read (repacked
+on first use, or for all layers of a model into one buffer)."""
 
 from __future__ import annotations
 
@@ -33,37 +33,23 @@ class CPUWeight(Weight):
     def fusable(self) -> bool:
         """Whether compiled steps may multiply it: an integer-kernel format whose products
         have no padding columns (tiles of 8 rows)."""
-        return self.qtype in matmul.FORMATS and (
-            not self.tiled or self.n_out % tiles.TILE_ROWS == 0
-        )
-
-    @property
-    def tiled(self) -> bool:
-        return self.qtype in tiles.TILE_FORMATS
+        return self.qtype in matmul.FORMATS and self.n_out % tiles.TILE_ROWS == 0
 
     @property
     def kernel_shape(self) -> tuple[int, int]:
-        if self.tiled:
-            return tiles.tiled_shape(self.qtype, self.n_out, self.n_in)
-        return self.raw.shape
+        return tiles.tiled_shape(self.qtype, self.n_out, self.n_in)
 
     @property
     def kernel_bytes(self) -> np.ndarray:
         """What matmul.FORMATS[self.kernel] multiplies: tiles, repacked on first use (a
-        weight never multiplied, such as an embedding, is never repacked), or the raw rows."""
+        weight never multiplied, such as an embedding, is never repacked)."""
         if self._kernel_bytes is None:
             self.place_kernel_bytes(None)
         return self._kernel_bytes
 
     def place_kernel_bytes(self, out: np.ndarray | None) -> None:
         """Repack into out (uint8 of kernel_shape; None: a new array), read-only after."""
-        if self.tiled:
-            packed = tiles.repack(self.raw, self.qtype, out)
-        elif out is not None:
-            out[:] = self.raw
-            packed = out
-        else:
-            packed = self.raw
+        packed = tiles.repack(self.raw, self.qtype, out)
         packed.flags.writeable = False  # one compiled signature: read-only weight bytes
         self._kernel_bytes = packed
 
