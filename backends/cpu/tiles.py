@@ -41,8 +41,9 @@ from fastrun.backends.cpu.simd import (
     vec,
     widen_pairs,
 )
+from fastrun.quant.fast import k_scale_min
 from fastrun.quant.formats import block_format
-from fastrun.quant.reference import BLOCK_DTYPES, k_scales_mins
+from fastrun.quant.reference import BLOCK_DTYPES
 
 TILE_ROWS = 8
 
@@ -370,21 +371,42 @@ def _span(name: str, field: str, group: int) -> tuple[range, int]:
     return range(offset, offset + dtype.itemsize, group), group
 
 
-def _derived_k45(blocks, name):
-    """Scales then mins (8 bytes each) of each Q4_K/Q5_K block, unpacked."""
-    scales, mins = k_scales_mins(blocks["scales"].reshape(-1, 12))
-    return np.concatenate([scales, mins], axis=1).astype(np.uint8).reshape(*blocks.shape, 16)
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _unpack_k_scales(image, scales_at, out):
+    """out [rows, nb, 16]: the 8 scales, then the 8 mins, of each Q4_K/Q5_K block of image
+    [rows, nb, block bytes] (its 12 packed bytes at scales_at), a byte each."""
+    for r in nb.prange(image.shape[0]):
+        for b in range(image.shape[1]):
+            for j in range(8):
+                out[r, b, j], out[r, b, 8 + j] = k_scale_min(image[r, b], scales_at, j)
 
 
-def _derived_q5_0(blocks, name):
-    """Byte i of 4: bit g the fifth bit of value 4g + i, bit 4 + g that of 16 + 4g + i."""
-    qh = blocks["qh"]
-    out = np.zeros((*blocks.shape, 4), np.uint8)
-    for i in range(4):
-        for half in range(2):
-            for g in range(4):
-                bit = (qh >> np.uint32(16 * half + 4 * g + i)) & np.uint32(1)
-                out[..., i] |= (bit << np.uint32(4 * half + g)).astype(np.uint8)
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _regroup_fifth_bits(image, qh_at, out):
+    """out [rows, nb, 4]: byte i has in bit g the fifth bit of value 4g + i of each Q5_0
+    block, in bit 4 + g that of value 16 + 4g + i (qh, little-endian, at qh_at)."""
+    for r in nb.prange(image.shape[0]):
+        for b in range(image.shape[1]):
+            qh = np.uint32(0)
+            for k in range(4):
+                qh |= np.uint32(image[r, b, qh_at + k]) << np.uint32(8 * k)
+            for i in range(4):
+                byte = 0
+                for half in range(2):
+                    for g in range(4):
+                        byte |= ((qh >> np.uint32(16 * half + 4 * g + i)) & 1) << (4 * half + g)
+                out[r, b, i] = byte
+
+
+def _derived_k45(image, name):
+    out = np.empty((*image.shape[:2], 16), np.uint8)
+    _unpack_k_scales(image, BLOCK_DTYPES[name].fields["scales"][1], out)
+    return out
+
+
+def _derived_q5_0(image, name):
+    out = np.empty((*image.shape[:2], 4), np.uint8)
+    _regroup_fifth_bits(image, BLOCK_DTYPES[name].fields["qh"][1], out)
     return out
 
 
@@ -425,20 +447,22 @@ def _permutation(name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _gather(image, n_rows, rows_of, units_of, out):
-    """out [tiles, nb, width] uint16 from image [n_rows, nb, *] uint16; rows past n_rows
-    (the last tile's padding) are zero."""
+def _gather(image, sources, out):
+    """out [tiles, nb, width] uint16: unit j of tile t, block b from image [rows, nb, L]
+    (uint16) at flat index ((8 t) nb + b) L + sources[j]; image has the padding rows."""
     n_tiles, n_blocks, width = out.shape
+    flat = image.reshape(-1)
+    block_units = image.shape[2]
     for t in nb.prange(n_tiles):
         for b in range(n_blocks):
+            start = (t * TILE_ROWS * n_blocks + b) * block_units
             for j in range(width):
-                r = t * TILE_ROWS + rows_of[j]
-                out[t, b, j] = image[r, b, units_of[j]] if r < n_rows else 0
+                out[t, b, j] = flat[start + sources[j]]
 
 
 class TileFormat(NamedTuple):
     block: Callable  # IR of one repacked block times the tokens: new accumulators per token
-    derived: Callable | None = None  # (blocks [rows, nb] of BLOCK_DTYPES, name) -> bytes
+    derived: Callable | None = None  # (raw [rows, nb, block bytes], name) -> more bytes
     second: str = ""  # a second accumulator per output ("add": Q4_1's min, "sub": Q4_K's)
 
 
@@ -474,13 +498,18 @@ def repack(raw: np.ndarray, name: str, out: np.ndarray | None = None) -> np.ndar
     image = np.ascontiguousarray(raw).reshape(n_out, nb, fmt.block_bytes)
     derived = TILE_FORMATS[name].derived
     if derived is not None:
-        blocks = image.reshape(n_out, -1).view(BLOCK_DTYPES[name])
-        image = np.concatenate([image, derived(blocks, name)], axis=2)
+        image = np.concatenate([image, derived(image, name)], axis=2)
+    n_tiles = -(-n_out // TILE_ROWS)
+    if n_out % TILE_ROWS:  # zero blocks for the last tile's missing rows
+        padding = np.zeros((n_tiles * TILE_ROWS - n_out, *image.shape[1:]), np.uint8)
+        image = np.concatenate([image, padding])
     if out is None:
         out = np.empty(tiled_shape(name, n_out, nb * fmt.block_size), np.uint8)
     rows_of, units_of = _PERMUTATIONS[name]
-    tiles16 = out.reshape(out.shape[0], nb, -1).view(np.uint16)
-    _gather(image.view(np.uint16), n_out, rows_of, units_of, tiles16)
+    image16 = image.view(np.uint16)
+    image16.flags.writeable = False  # one compiled signature, whether raw is the map or not
+    sources = rows_of * (nb * image16.shape[2]) + units_of
+    _gather(image16, sources, out.reshape(n_tiles, nb, -1).view(np.uint16))
     return out
 
 
