@@ -121,7 +121,7 @@ def check_draft(draft: Draft, target, sampler: Sampler) -> tuple[list[int], int]
         p_x = _probability(p, token)
         q_x = 1.0 if q is None else _probability(q, token)
         # no random number where the answer is certain: greedy decoding draws none
-        if p_x >= q_x or (p_x > 0.0 and sampler.rng.random() * q_x < p_x):
+        if p_x > 0.0 and (p_x >= q_x or sampler.rng.random() * q_x < p_x):
             kept.append(token)
             continue
         kept.append(_draw(sampler, _residual(p, q, token)))
@@ -199,10 +199,10 @@ def plan_drafts(
     if not plain:
         return [0] * len(offers)
     # drafted tokens in the order of their expected gain; any prefix is a plan
-    extra = sorted(
-        ((min(a, 0.999) ** j, s, j) for s, (a, most) in enumerate(offers) for j in range(1, most + 1)),
-        key=lambda c: (-c[0], c[1], c[2]),
-    )  # fmt: skip
+    gains = (
+        (min(a, 0.999) ** j, s, j) for s, (a, most) in enumerate(offers) for j in range(1, most + 1)
+    )
+    extra = sorted(gains, key=lambda c: (-c[0], c[1], c[2]))
     best_rate, best = n_plain / plain, 0
     gain, drafting, per_pass = 0.0, 0.0, Counter()  # per_pass[j]: sequences drafting a j-th
     for i, (g, _s, j) in enumerate(extra, start=1):
@@ -442,7 +442,7 @@ def check_vocabularies(target_tokenizer, draft_tokenizer, draft_name: str) -> No
         elif (t.bos_id, t.eos_id) != (d.bos_id, d.eos_id):
             problem = "its BOS/EOS tokens differ from the target's"
     if problem:
-        raise FastrunError(f"draft model {draft_name} does not share the target's vocabulary: {problem}")
+        raise FastrunError(f"draft {draft_name} does not share the target's vocabulary: {problem}")
 
 
 # -- the engine's side -----------------------------------------------------------------------------
@@ -506,7 +506,9 @@ class Speculator:
                 request.params.max_tokens - len(request.completion.tokens) - 1,
                 budget,
             )
-            label = self.drafter.offer(request, state, room) if room >= max(1, s.draft_min) else None
+            label = None
+            if room >= max(1, s.draft_min):
+                label = self.drafter.offer(request, state, room)
             labels.append(label)
             most = 0 if label is None else min(room, self.drafter.most(state))
             offers.append((0.0 if label is None else self._rate(state, label), most))
