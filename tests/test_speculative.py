@@ -279,3 +279,59 @@ def test_smollm2_greedy_speculation_equals_plain(smollm2_path):
         assert done.tokens == expect, kind
         assert done.drafted_tokens > 0
         m.close()
+
+
+# -- CUDA (skipped without CuPy and a GPU; run on the GPU machine) ------------------------------
+
+
+def _cuda():
+    from fastrun.backends.cuda import cuda_available
+
+    if not cuda_available():
+        pytest.skip("no CUDA GPU")
+
+
+@pytest.mark.gpu
+def test_cuda_checking_pass_is_a_captured_step_equal_to_an_eager_one(tiny_model):
+    """A pass of a sequence's last token and 8 drafts beside another sequence's decode token
+    replays a CUDA graph, with the logits of an eager run."""
+    _cuda()
+    from fastrun.runner.batch import Batch
+
+    with GGUFFile(str(tiny_model)) as f:
+        tf = model_class(f.architecture)(f, get_backend("cuda"))
+        cells = tf.new_cells(2, 64)
+        a, b = cells.sequences
+        tf.forward([5, 6, 7, 8], a)
+        tf.forward([9, 10], b)
+        outs = []
+        for capture in (True, True, False):  # capture, replay, eager
+            a.trim(4), b.trim(2)
+            batch = Batch()
+            batch.add(a, [11, 12, 13, 14, 15, 16, 17, 18, 19], "all")
+            batch.add(b, [20])
+            assert batch.is_decode
+            outs.append(tf.run(batch, cells, capture=capture))
+        assert any(key[0] == id(cells) for key in tf.backend._graphs)
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_allclose(outs[1], outs[2], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["lookup", "draft"])
+def test_cuda_greedy_speculation_equals_plain(tiny_model, draft_model, smollm2_path, kind):
+    _cuda()
+    prompts = [REPEATING, [7, 8, 9]]
+    for path, draft in ((tiny_model, draft_model), (smollm2_path, smollm2_path)):
+        plain = Model(path, backend="cuda", n_ctx=256, parallel=2)
+        expect = [c.tokens for c in plain.generate_batch(prompts, **LONG_GREEDY)]
+        plain.close()
+        extra = dict(lookup=True) if kind == "lookup" else dict(draft=draft)
+        m = Model(path, backend="cuda", n_ctx=256, parallel=2, **extra)
+        got = m.generate_batch(prompts, **LONG_GREEDY)
+        m.close()
+        assert [c.tokens for c in got] == expect
+        assert sum(c.drafted_tokens for c in got) > 0
+
+
+LONG_GREEDY = dict(max_tokens=120, temperature=0, ignore_eos=True)
