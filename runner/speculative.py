@@ -378,38 +378,34 @@ class ModelDrafter:
         going = {}
         for request, (state, k, _pending, draft) in todo.items():
             row = places[request]
-            if top_k:
-                choice = Candidates(logits[0][row], logits[1][row])
-                ids, values = choice.ids, choice.logits
-            else:
-                choice = ids = logits[row]
-                values = choice
-            history = self._cache(request).tokens
-            dist = state.sampler.distribution(choice, history)
+            choice = Candidates(logits[0][row], logits[1][row]) if top_k else logits[row]
+            dist = state.sampler.distribution(choice, self._cache(request).tokens)
             token = _draw(state.sampler, dist)
             if token >= self.n_vocab:  # beyond the target's vocabulary: never accepted
                 continue
             draft.tokens.append(token)
             draft.dists.append(dist)
-            if len(draft.tokens) < k and not self._stops(token, ids, values, top_k):
+            if len(draft.tokens) < k and not self._stops(token, choice):
                 going[request] = (state, k, [token], draft)
         self.costs.record(batch.n, time.perf_counter() - started)
         return going
 
-    def _stops(self, token: int, ids, values, top_k: int) -> bool:
+    def _stops(self, token: int, choice) -> bool:
         """Whether drafting ends after this token: an end of generation, or a token the draft
-        itself finds less likely than p_min (its softmax at temperature 1; over the top
-        candidates where only those came back)."""
+        itself finds less likely than p_min (its softmax at temperature 1, whatever the
+        sampling settings; over the top candidates where only those came back)."""
         if token in self.tokenizer.eog_ids:
             return True
+        if isinstance(choice, Candidates):
+            values, at = choice.logits, int(np.flatnonzero(choice.ids == token)[0])
+        else:
+            values, at = choice, token
         values = np.asarray(values, np.float64)
-        finite = values[np.isfinite(values)]
-        if finite.size == 0:
+        top = values[np.isfinite(values)].max(initial=-np.inf)
+        if not np.isfinite(values[at]) or not np.isfinite(top):
             return True
-        top = finite.max()
-        mass = np.exp(finite - top).sum()
-        mine = values[np.flatnonzero(ids == token)[0]] if top_k else values[token]
-        return float(np.exp(mine - top) / mass) < self.p_min
+        mass = np.exp(values[np.isfinite(values)] - top).sum()
+        return float(np.exp(values[at] - top) / mass) < self.p_min
 
     def rolled_back(self, request, kept: int) -> None:
         """The target kept `kept` tokens of its cache: the draft's cells past them go."""
@@ -521,7 +517,8 @@ class Speculator:
                 request.speculation.acceptance[label].decline()
                 continue
             jobs.append((request, request.speculation, k))
-        return self.drafter.draft(jobs) if jobs else {}
+        drafts = self.drafter.draft(jobs) if jobs else {}
+        return {r: d for r, d in drafts.items() if len(d.tokens) >= s.draft_min}
 
     def checked(self, request, draft: Draft, accepted: int) -> None:
         """A draft was checked; `accepted` of its tokens were right."""
