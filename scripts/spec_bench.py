@@ -135,8 +135,8 @@ ACCEPT = re.compile(r"accept\s*=\s*([\d.]+)%")
 def run_llama(binary: Path, args, paths: dict, text: str, n: int) -> dict | None:
     """llama-speculative (target + draft) or llama-lookup on one prompt: its own report."""
     cmd = [str(binary), "-m", str(paths["target"]), "-p", text, "-n", str(n), "--temp", "0",
-           "-t", str(args.threads), "-c", str(args.ctx), "--draft-max", str(args.llama_draft),
-           "-no-cnv"]  # fmt: skip
+           "-t", str(args.threads), "-c", str(args.ctx),
+           "--draft-max", str(args.llama_draft)]  # fmt: skip
     if binary.name == "llama-speculative":
         cmd += ["-md", str(paths["draft"]), "--draft-p-min", str(args.draft_p_min)]
     try:
