@@ -20,6 +20,7 @@ from fastrun.runner.registry import paired_draft, resolve_model
 from fastrun.runner.sampling import SamplingParams
 from fastrun.runner.speculative import (
     LookupDrafter,
+    LookupThenModel,
     ModelDrafter,
     SpeculativeSettings,
     Speculator,
@@ -49,7 +50,8 @@ class Model:
 
     Speculative decoding: draft (a GGUF path or registry name of a small model of the same
     vocabulary; "auto": the one models.toml pairs with this model) or lookup=True (prompt
-    lookup); draft_max, draft_min, draft_p_min bound the drafts (speculative.py)."""
+    lookup), or both (lookup where it finds a match, the draft elsewhere); draft_max,
+    draft_min, draft_p_min bound the drafts (speculative.py)."""
 
     def __init__(
         self,
@@ -91,12 +93,8 @@ class Model:
         self._local = threading.local()  # each thread's most recent Completion (`last`)
 
     def _speculator(self, draft, lookup: bool, speculative, settings, progress):
-        if draft is not None and lookup:
-            raise FastrunError("--draft and --lookup exclude each other: choose one drafter")
-        if lookup:
-            return Speculator(LookupDrafter(), speculative, self.config.n_vocab)
         if draft is None:
-            return None
+            return Speculator(LookupDrafter(), speculative, self.config.n_vocab) if lookup else None
         name = paired_draft(self.path) if os.fspath(draft) == "auto" else draft
         self.draft_file = GGUFFile(resolve_model(name))
         check_vocabularies(self.tokenizer, Tokenizer.from_gguf(self.draft_file), str(name))
@@ -105,6 +103,8 @@ class Model:
             model, self.tokenizer, settings.parallel, settings.n_ctx, speculative.draft_p_min,
             settings.batch_size,
         )  # fmt: skip
+        if lookup:  # lookup where it finds a match, the model elsewhere
+            drafter = LookupThenModel(LookupDrafter(), drafter)
         return Speculator(drafter, speculative, self.config.n_vocab)
 
     @property

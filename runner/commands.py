@@ -55,7 +55,12 @@ Draft = Annotated[
     ),
 ]
 Lookup = Annotated[
-    bool, typer.Option("--lookup", help="Speculative decoding by prompt lookup (n-gram drafts).")
+    bool,
+    typer.Option(
+        "--lookup",
+        help="Speculative decoding by prompt lookup (n-gram drafts); with --draft, the draft "
+        "model drafts where lookup finds no match.",
+    ),
 ]
 DraftMax = Annotated[
     int, typer.Option("--draft-max", min=0, help="Most tokens drafted per step (adaptive below).")

@@ -183,31 +183,34 @@ class Acceptance:
 
 
 def plan_drafts(
-    offers: list[tuple[float, int]],
+    offers: list[tuple[float, int, bool]],
     n_plain: int,
     target: PassCosts,
     draft: PassCosts | None,
 ) -> list[int]:
     """How many tokens each sequence drafts this step.
 
-    offers: per sequence, its acceptance rate a and the most tokens it may draft; its j-th
-    drafted token then adds a**j tokens in expectation. n_plain: the tokens of the step without
-    drafts (one per decoding sequence). target: the seconds of target passes by tokens; draft:
-    of draft passes (None: drafting is free). The plan maximizes expected tokens per second;
-    all zeros when plain decoding is best or its cost is not known yet."""
+    offers: per sequence, its acceptance rate a, the most tokens it may draft (its j-th drafted
+    token then adds a**j tokens in expectation) and whether a draft model's passes make them.
+    n_plain: the tokens of the step without drafts (one per decoding sequence). target: the
+    seconds of target passes by tokens; draft: of draft passes (None: no draft model). The
+    plan maximizes expected tokens per second; all zeros when plain decoding is best or its
+    cost is not known yet."""
     plain = target.estimate(n_plain)
     if not plain:
         return [0] * len(offers)
     # drafted tokens in the order of their expected gain; any prefix is a plan
     gains = (
-        (min(a, 0.999) ** j, s, j) for s, (a, most) in enumerate(offers) for j in range(1, most + 1)
+        (min(a, 0.999) ** j, s, j)
+        for s, (a, most, _) in enumerate(offers)
+        for j in range(1, most + 1)
     )
     extra = sorted(gains, key=lambda c: (-c[0], c[1], c[2]))
     best_rate, best = n_plain / plain, 0
     gain, drafting, per_pass = 0.0, 0.0, Counter()  # per_pass[j]: sequences drafting a j-th
-    for i, (g, _s, j) in enumerate(extra, start=1):
+    for i, (g, s, j) in enumerate(extra, start=1):
         gain += g
-        if draft is not None:
+        if draft is not None and offers[s][2]:
             per_pass[j] += 1
             drafting += (draft.estimate(per_pass[j]) or 0.0) - (
                 draft.estimate(per_pass[j] - 1) or 0.0
@@ -281,6 +284,9 @@ class LookupDrafter:
     kind = "lookup"
     costs = None
 
+    def costly(self, label: str) -> bool:
+        return False
+
     def start(self, request, state: SequenceState) -> None:
         state.index = NgramIndex()
         state.index.extend(request.prompt)
@@ -312,6 +318,9 @@ class ModelDrafter:
     own (sequence i drafts for the target's sequence i)."""
 
     kind = "draft"
+
+    def costly(self, label: str) -> bool:
+        return True
 
     def __init__(self, transformer, tokenizer, n_seq: int, n_ctx: int, p_min: float, chunk: int):
         self.transformer = transformer
@@ -421,6 +430,49 @@ class ModelDrafter:
             cache.trim(keep)
 
 
+class LookupThenModel:
+    """Prompt lookup where it finds a match (free), the draft model elsewhere: `--lookup`
+    with `--draft`."""
+
+    kind = "lookup+draft"
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+        self.costs = model.costs
+
+    @property
+    def n_vocab(self):
+        return self.model.n_vocab
+
+    @n_vocab.setter
+    def n_vocab(self, n: int) -> None:
+        self.model.n_vocab = n
+
+    def costly(self, label: str) -> bool:
+        return label == self.model.kind
+
+    def start(self, request, state: SequenceState) -> None:
+        self.lookup.start(request, state)
+        self.model.start(request, state)
+
+    def offer(self, request, state: SequenceState, most: int) -> str | None:
+        return self.lookup.offer(request, state, most) or self.model.offer(request, state, most)
+
+    def most(self, state: SequenceState) -> int:
+        return (self.lookup if state.offer else self.model).most(state)
+
+    def draft(self, jobs) -> dict:
+        by_lookup = [job for job in jobs if job[1].offer is not None]
+        by_model = [job for job in jobs if job[1].offer is None]
+        return {**self.lookup.draft(by_lookup), **(self.model.draft(by_model) if by_model else {})}
+
+    def rolled_back(self, request, kept: int) -> None:
+        self.model.rolled_back(request, kept)
+
+    def shifted(self, request, keep: int, discard: int) -> None:
+        self.model.shifted(request, keep, discard)
+
+
 def check_vocabularies(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
     """A draft must tokenize as the target does: the same tokenizer kind and the same token
     texts for their common ids, their vocabularies differing by a little at most."""
@@ -507,7 +559,8 @@ class Speculator:
                 label = self.drafter.offer(request, state, room)
             labels.append(label)
             most = 0 if label is None else min(room, self.drafter.most(state))
-            offers.append((0.0 if label is None else self._rate(state, label), most))
+            rate = 0.0 if label is None else self._rate(state, label)
+            offers.append((rate, most, label is not None and self.drafter.costly(label)))
         plan = plan_drafts(offers, len(requests), self.target_costs, self.drafter.costs)
         jobs = []
         for request, label, k in zip(requests, labels, plan, strict=True):

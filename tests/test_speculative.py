@@ -41,7 +41,7 @@ def _settings(i: int) -> dict:
     return dict(max_tokens=30, temperature=0, ignore_eos=i % 2 == 0, **kinds[i % len(kinds)])
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "self", "other"])
+@pytest.mark.parametrize("drafter", ["lookup", "self", "other", "both"])
 def test_greedy_speculation_equals_plain_decoding_in_mixed_batches(
     tiny_model, draft_model, drafter
 ):
@@ -51,7 +51,8 @@ def test_greedy_speculation_equals_plain_decoding_in_mixed_batches(
     prompts = [REPEATING[: rng.integers(3, 17)] + rng.integers(0, 296, 20).tolist()]
     prompts += [rng.integers(0, 296, rng.integers(2, 40)).tolist() for _ in range(5)]
     kind = {"plain": {}, "lookup": dict(lookup=True), "self": dict(draft=tiny_model),
-            "other": dict(draft=draft_model)}  # fmt: skip
+            "other": dict(draft=draft_model),
+            "both": dict(draft=draft_model, lookup=True)}  # fmt: skip
     got = {}
     for name in ("plain", drafter):
         m = Model(tiny_model, backend="cpu", n_ctx=128, parallel=6, batch_size=24, **kind[name])
@@ -176,21 +177,22 @@ def test_plans_follow_costs_and_acceptance():
         for _ in range(3):
             flat.record(n, 0.010 + 0.0002 * n)  # a GPU: a pass of 16 costs little more
             linear.record(n, 0.010 * n)  # a pass per token: checking never pays
-    assert plan_drafts([(0.7, 15)], 1, flat, None)[0] >= 6
-    assert plan_drafts([(0.7, 15)], 1, linear, None) == [0]
-    assert plan_drafts([(0.05, 15)], 1, flat, None)[0] <= 1
+    assert plan_drafts([(0.7, 15, False)], 1, flat, None)[0] >= 6
+    assert plan_drafts([(0.7, 15, False)], 1, linear, None) == [0]
+    assert plan_drafts([(0.05, 15, False)], 1, flat, None)[0] <= 1
     drafting = PassCosts()
     for _ in range(3):
         drafting.record(1, 0.010)  # a draft pass as slow as the target's: never pays
-    assert plan_drafts([(0.9, 15)], 1, flat, drafting) == [0]
+    assert plan_drafts([(0.9, 15, True)], 1, flat, drafting) == [0]
+    assert plan_drafts([(0.9, 15, False)], 1, flat, drafting)[0] > 3  # lookup's, beside it
     cheap = PassCosts()
     for _ in range(3):
         cheap.record(1, 0.001)
-    assert 3 <= plan_drafts([(0.8, 15)], 1, flat, cheap)[0] <= 15
+    assert 3 <= plan_drafts([(0.8, 15, True)], 1, flat, cheap)[0] <= 15
     # two sequences: the likelier one drafts more
-    a, b = plan_drafts([(0.9, 15), (0.4, 15)], 2, flat, None)
+    a, b = plan_drafts([(0.9, 15, False), (0.4, 15, False)], 2, flat, None)
     assert a > b
-    assert plan_drafts([(0.9, 8)], 1, PassCosts(), None) == [0]  # nothing measured yet
+    assert plan_drafts([(0.9, 8, False)], 1, PassCosts(), None) == [0]  # nothing measured yet
 
 
 def test_pass_costs_estimates_of_sizes_not_measured():
@@ -231,13 +233,14 @@ def test_ngram_index_proposes_what_followed_the_latest_match():
 def test_settings_and_vocabularies_are_checked(tiny_model, smollm2_path):
     with pytest.raises(FastrunError, match="--draft-min"):
         SpeculativeSettings(draft_max=4, draft_min=5)
-    with pytest.raises(FastrunError, match="exclude"):
-        Model(tiny_model, backend="cpu", n_ctx=64, draft=tiny_model, lookup=True)
     with pytest.raises(FastrunError, match="vocabulary") as error:
         Model(tiny_model, backend="cpu", n_ctx=64, draft=smollm2_path)
     assert "\n" not in str(error.value)
     with pytest.raises(FastrunError, match="no draft"):
         Model(tiny_model, backend="cpu", n_ctx=64, draft="auto")
+    from fastrun.runner.registry import paired_draft
+
+    assert paired_draft("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
 
 
 def test_cli_json_timings_report_drafts(tiny_model):
