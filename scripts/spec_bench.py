@@ -101,6 +101,7 @@ def fastrun_modes(args) -> dict[str, dict]:
     modes = {"plain": {}, "lookup": {"lookup": True}}
     if args.draft != "none":
         modes["draft"] = {"draft": args.draft}
+        modes["both"] = {"draft": args.draft, "lookup": True}  # lookup, the draft elsewhere
     return {name: kw for name, kw in modes.items() if name in args.modes.split(",")}
 
 
@@ -232,7 +233,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="'none': no draft")
-    ap.add_argument("--modes", default="plain,lookup,draft")
+    ap.add_argument("--modes", default="plain,lookup,draft", help="of plain,lookup,draft,both")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("-n", "--tokens", type=int, default=256, help="most tokens per reply")
     ap.add_argument("--rounds", type=int, default=3)
