@@ -355,7 +355,8 @@ class ModelDrafter:
         for request, state, k in jobs:
             context = request.cache.tokens + [request.next_token]
             cache = self._cache(request)
-            cache.trim(cache.common_prefix(context))
+            # the last token always runs again: its logits give the first draft
+            cache.trim(min(cache.common_prefix(context), len(context) - 1))
             todo[request] = (state, k, context[cache.length :], Draft(self.kind, [], []))
         self._catch_up(todo)
         drafts = {request: entry[3] for request, entry in todo.items()}
