@@ -137,9 +137,9 @@ def run_llama(binary: Path, args, paths: dict, text: str, n: int) -> dict | None
     """llama-speculative (target + draft) or llama-lookup on one prompt: its own report."""
     cmd = [str(binary), "-m", str(paths["target"]), "-p", text, "-n", str(n), "--temp", "0",
            "-t", str(args.threads), "-c", str(args.ctx),
-           "--draft-max", str(args.llama_draft)]  # fmt: skip
+           "--spec-draft-n-max", str(args.llama_draft)]  # fmt: skip
     if binary.name == "llama-speculative":
-        cmd += ["-md", str(paths["draft"]), "--draft-p-min", str(args.draft_p_min)]
+        cmd += ["-md", str(paths["draft"]), "--spec-draft-p-min", str(args.draft_p_min)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -243,7 +243,7 @@ def main() -> int:
     ap.add_argument("--draft-max", type=int, default=15)
     ap.add_argument("--draft-p-min", type=float, default=0.75)
     ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="llama.cpp's build/bin")
-    ap.add_argument("--llama-draft", type=int, default=8, help="llama.cpp's --draft-max")
+    ap.add_argument("--llama-draft", type=int, default=8, help="llama.cpp's --spec-draft-n-max")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--verify-cost", action="store_true", help="only a checking pass's cost")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="--verify-cost on random weights")
