@@ -16,8 +16,16 @@ from fastrun.runner.chat import ChatTemplate
 from fastrun.runner.engine import Engine, EngineSettings, Stream
 from fastrun.runner.generate import Completion
 from fastrun.runner.models import model_class
-from fastrun.runner.registry import resolve_model
+from fastrun.runner.registry import paired_draft, resolve_model
 from fastrun.runner.sampling import SamplingParams
+from fastrun.runner.speculative import (
+    LookupDrafter,
+    LookupThenModel,
+    ModelDrafter,
+    SpeculativeSettings,
+    Speculator,
+    check_vocabularies,
+)
 from fastrun.runner.tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
@@ -38,7 +46,12 @@ def sampling_params(**settings) -> SamplingParams:
 
 class Model:
     """A loaded model: its weights, tokenizer and chat template, and the engine that runs the
-    generations of every caller (threads included) as parallel sequences in shared passes."""
+    generations of every caller (threads included) as parallel sequences in shared passes.
+
+    Speculative decoding: draft (a GGUF path or registry name of a small model of the same
+    vocabulary; "auto": the one models.toml pairs with this model) or lookup=True (prompt
+    lookup), or both (lookup where it finds a match, the draft elsewhere); draft_max,
+    draft_min, draft_p_min bound the drafts (speculative.py)."""
 
     def __init__(
         self,
@@ -52,6 +65,12 @@ class Model:
         n_keep: int = 4,
         context_shift: bool = True,
         max_queue: int = 256,
+        draft: str | os.PathLike | None = None,
+        lookup: bool = False,
+        draft_max: int = SpeculativeSettings.draft_max,
+        draft_min: int = SpeculativeSettings.draft_min,
+        draft_p_min: float = SpeculativeSettings.draft_p_min,
+        draft_progress=None,
     ):
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
@@ -67,8 +86,26 @@ class Model:
             parallel=parallel, n_ctx=self.n_ctx, batch_size=batch_size, n_keep=n_keep,
             context_shift=context_shift, max_queue=max_queue,
         )  # fmt: skip
-        self.engine = Engine(self.transformer, self.tokenizer, settings)
+        speculative = SpeculativeSettings(draft_max, draft_min, draft_p_min)
+        self.draft_file = None
+        speculator = self._speculator(draft, lookup, speculative, settings, draft_progress)
+        self.engine = Engine(self.transformer, self.tokenizer, settings, speculator)
         self._local = threading.local()  # each thread's most recent Completion (`last`)
+
+    def _speculator(self, draft, lookup: bool, speculative, settings, progress):
+        if draft is None:
+            return Speculator(LookupDrafter(), speculative, self.config.n_vocab) if lookup else None
+        name = paired_draft(self.path) if os.fspath(draft) == "auto" else draft
+        self.draft_file = GGUFFile(resolve_model(name))
+        check_vocabularies(self.tokenizer, Tokenizer.from_gguf(self.draft_file), str(name))
+        model = model_class(self.draft_file.architecture)(self.draft_file, self.backend, progress)
+        drafter = ModelDrafter(
+            model, self.tokenizer, settings.parallel, settings.n_ctx, speculative.draft_p_min,
+            settings.batch_size,
+        )  # fmt: skip
+        if lookup:  # lookup where it finds a match, the model elsewhere
+            drafter = LookupThenModel(LookupDrafter(), drafter)
+        return Speculator(drafter, speculative, self.config.n_vocab)
 
     @property
     def last(self) -> Completion:
@@ -163,6 +200,8 @@ class Model:
     def close(self) -> None:
         self.engine.close()
         self.file.close()
+        if self.draft_file is not None:
+            self.draft_file.close()
 
 
 def load(

@@ -8,6 +8,10 @@ import numpy as np
 
 from fastrun.runner.kv_cache import KVCache
 
+# Tokens of one sequence in a step (a pass that every backend runs as a decode step, CUDA as a
+# captured graph): its last token and up to MAX_STEP_TOKENS - 1 drafted ones to check.
+MAX_STEP_TOKENS = 16
+
 
 class Batch:
     """Tokens gathered sequence by sequence; `add` reserves their cells. The arrays are made
@@ -19,6 +23,7 @@ class Batch:
         self._starts: list[int] = []
         self._outputs: list[int] = []
         self._undo: list[tuple[KVCache, int]] = []  # each cache's length before this batch
+        self._longest = 0  # the most tokens one add() brought
         self._arrays: tuple | None = None
 
     @property
@@ -32,6 +37,7 @@ class Batch:
         ids = [int(i) for i in ids]
         first = cache.append(ids)
         self._undo.append((cache, first))
+        self._longest = max(self._longest, len(ids))
         row, place = len(self._ids), len(self._outputs)
         self._ids += ids
         self._positions += range(first, first + len(ids))
@@ -74,6 +80,7 @@ class Batch:
 
     @property
     def is_decode(self) -> bool:
-        """One token per sequence, each wanting logits: a decode step (graph-captured where the
-        backend captures steps)."""
-        return len(self._undo) == self.n == len(self._outputs) > 0
+        """Every token wants logits and no sequence brings more than MAX_STEP_TOKENS: a decode
+        step, or the check of drafted tokens (graph-captured where the backend captures
+        steps; a token attends by its position, so a sequence's tokens may share a step)."""
+        return self.n == len(self._outputs) > 0 and self._longest <= MAX_STEP_TOKENS

@@ -12,6 +12,9 @@ import typer
 from fastrun.formats.errors import FastrunError
 from fastrun.runner.app import app, render, resolve
 from fastrun.runner.progress import DownloadProgress, stderr_console
+from fastrun.runner.speculative import SpeculativeSettings
+
+SPEC = SpeculativeSettings()  # the defaults of the speculative-decoding options
 
 # Options shared by run and chat, declared once.
 MaxTokens = Annotated[
@@ -43,17 +46,58 @@ IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Never stop at end
 BatchSize = Annotated[
     int, typer.Option("-b", "--batch-size", min=1, help="Tokens per forward pass at most.")
 ]
+Draft = Annotated[
+    str | None,
+    typer.Option(
+        "--draft",
+        help="Speculative decoding with a small draft model of the same vocabulary (GGUF path "
+        "or registry name; 'auto': the draft models.toml pairs with MODEL).",
+    ),
+]
+Lookup = Annotated[
+    bool,
+    typer.Option(
+        "--lookup",
+        help="Speculative decoding by prompt lookup (n-gram drafts); with --draft, the draft "
+        "model drafts where lookup finds no match.",
+    ),
+]
+DraftMax = Annotated[
+    int, typer.Option("--draft-max", min=0, help="Most tokens drafted per step (adaptive below).")
+]
+DraftMin = Annotated[
+    int, typer.Option("--draft-min", min=0, help="Fewest drafted tokens worth checking.")
+]
+DraftPMin = Annotated[
+    float,
+    typer.Option(
+        "--draft-p-min", min=0.0, max=1.0, help="The draft stops at a token it finds less likely."
+    ),
+]
+
+
+def speculative(draft, lookup, draft_max, draft_min, draft_p_min) -> dict:
+    """Model's speculative-decoding settings from the shared options."""
+    return dict(
+        draft=draft, lookup=lookup, draft_max=draft_max, draft_min=draft_min,
+        draft_p_min=draft_p_min,
+    )  # fmt: skip
 
 
 def load_model(
     model: str, backend: str, ctx_size: int | None, threads: int | None, **engine
 ):  # fmt: skip
-    """The Model with a progress bar for a GPU upload; engine: Model's engine settings."""
+    """The Model with a progress bar for a GPU upload; engine: Model's engine settings (and
+    speculative decoding's)."""
     from fastrun.backends.cpu.backend import kernels_cached
     from fastrun.backends.cuda import cuda_available, require_cuda
     from fastrun.runner.api import Model
+    from fastrun.runner.registry import paired_draft
 
     path = resolve(model)
+    draft = engine.get("draft")
+    if draft is not None:  # pulled (with its bar) before anything loads
+        engine["draft"] = resolve(paired_draft(model) if draft == "auto" else draft)
     if backend == "auto":
         backend = "cuda" if cuda_available() else "cpu"
     if backend == "cpu" and not kernels_cached():
@@ -62,8 +106,12 @@ def load_model(
         return Model(path, backend=backend, n_ctx=ctx_size, threads=threads, **engine)
     require_cuda()  # before the bar is drawn
     with DownloadProgress() as bar:  # weights go to the GPU once, with a bar
-        bar.start("upload to GPU", os.path.getsize(path))
-        m = Model(path, backend=backend, n_ctx=ctx_size, progress=bar.advance, **engine)
+        total = sum(os.path.getsize(p) for p in (path, engine.get("draft")) if p is not None)
+        bar.start("upload to GPU", total)
+        m = Model(
+            path, backend=backend, n_ctx=ctx_size, progress=bar.advance,
+            draft_progress=bar.advance, **engine,
+        )  # fmt: skip
         bar.done()
     return m
 
@@ -107,12 +155,18 @@ def run(
     batch_size: BatchSize = 512,
     threads: Threads = None,
     backend: BackendOpt = "auto",
+    draft: Draft = None,
+    lookup: Lookup = False,
+    draft_max: DraftMax = SPEC.draft_max,
+    draft_min: DraftMin = SPEC.draft_min,
+    draft_p_min: DraftPMin = SPEC.draft_p_min,
 ) -> None:
     """Generate a continuation of PROMPT; the text alone goes to stdout."""
     if prompt == "-":
         prompt = sys.stdin.read()
     shift = not no_context_shift
     engine = dict(parallel=1, batch_size=batch_size, n_keep=keep, context_shift=shift)
+    engine |= speculative(draft, lookup, draft_max, draft_min, draft_p_min)
     m = load_model(model, backend, ctx_size, threads, **engine)
     settings = sampling(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence_penalty,
                         frequency_penalty, seed, stop, ignore_eos)  # fmt: skip
@@ -135,16 +189,30 @@ def run(
             "prompt_tokens": done.prompt_tokens,
             "finish_reason": done.finish_reason,
             "context_shifts": done.context_shifts,
-            "timings": {
-                "prefill_tokens_per_second": round(done.prefill_tps, 2),
-                "decode_tokens_per_second": round(done.decode_tps, 2),
-                "prefill_seconds": round(done.prefill_seconds, 4),
-                "decode_seconds": round(done.decode_seconds, 4),
-            },
+            "timings": timings(done),
         }
         sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
     elif done.text and not done.text.endswith("\n"):
         sys.stdout.write("\n")
+
+
+def timings(done) -> dict:
+    """A Completion's speeds for --json; with speculative decoding, how its drafts fared."""
+    result = {
+        "prefill_tokens_per_second": round(done.prefill_tps, 2),
+        "decode_tokens_per_second": round(done.decode_tps, 2),
+        "prefill_seconds": round(done.prefill_seconds, 4),
+        "decode_seconds": round(done.decode_seconds, 4),
+    }
+    if done.draft_rounds:
+        result |= {
+            "draft_rounds": done.draft_rounds,
+            "drafted_tokens": done.drafted_tokens,
+            "accepted_tokens": done.accepted_tokens,
+            "acceptance_rate": round(done.acceptance_rate, 4),
+            "mean_accepted_length": round(done.mean_accepted_length, 3),
+        }
+    return result
 
 
 CHAT_HELP = "/reset clears the conversation, /system TEXT sets the system message, /stats, /exit"
@@ -169,12 +237,18 @@ def chat_command(
     no_context_shift: NoShift = False,
     threads: Threads = None,
     backend: BackendOpt = "auto",
+    draft: Draft = None,
+    lookup: Lookup = False,
+    draft_max: DraftMax = SPEC.draft_max,
+    draft_min: DraftMin = SPEC.draft_min,
+    draft_p_min: DraftPMin = SPEC.draft_p_min,
 ) -> None:
     """Chat in the terminal with the model's own template. Ctrl-C stops a reply, Ctrl-D exits."""
     from rich.console import Console
 
     console = Console(highlight=False)
     engine = dict(parallel=1, n_keep=keep, context_shift=not no_context_shift)
+    engine |= speculative(draft, lookup, draft_max, draft_min, draft_p_min)
     m = load_model(model, backend, ctx_size, threads, **engine)
     settings = sampling(max_tokens, temp, top_k, top_p, min_p, repeat_penalty, presence_penalty,
                         frequency_penalty, seed, stop)  # fmt: skip
@@ -230,7 +304,16 @@ def _print_stats(console, m) -> None:
         f"[dim]prompt {done.prompt_tokens} tokens ({done.prefilled_tokens} run, the rest cached) "
         f"at {done.prefill_tps:.1f} tok/s · reply {len(done.tokens)} tokens at "
         f"{done.decode_tps:.1f} tok/s · context {done.prompt_tokens + len(done.tokens)}"
-        f"/{m.n_ctx}[/dim]"
+        f"/{m.n_ctx}{_draft_summary(done)}[/dim]"
+    )
+
+
+def _draft_summary(done) -> str:
+    if not done.draft_rounds:
+        return ""
+    return (
+        f" · drafts {done.accepted_tokens}/{done.drafted_tokens} accepted "
+        f"({done.acceptance_rate:.0%}, {done.mean_accepted_length:.2f} per check)"
     )
 
 

@@ -11,6 +11,11 @@ running them again.
 
 Sequences do not see each other: every operation works row by row, so a sequence's tokens are
 the same alone or in a batch (bit for bit on the CPU).
+
+With a Speculator (speculative.py), a decoding sequence may bring drafted tokens after its last
+one: the pass returns logits for each, the sampler keeps the accepted prefix and one token of
+the target's own, and the cells of the rest are trimmed. The batch stays mixed: other
+sequences' single tokens and prefill chunks share the pass.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from fastrun.runner.batch import Batch
 from fastrun.runner.generate import Completion, Continuation, Token, log_softmax
 from fastrun.runner.kv_cache import KVCache
 from fastrun.runner.sampling import Candidates, Sampler, SamplingParams
+from fastrun.runner.speculative import Draft, Speculator, check_draft
 
 
 class QueueFull(FastrunError):
@@ -66,6 +72,7 @@ class Request:
         self.next_token = -1  # the last sampled token, run in the next step
         self.sampler: Sampler | None = None
         self.continuation: Continuation | None = None
+        self.speculation = None  # the Speculator's state of this sequence
 
     def start(self, cache: KVCache, reused: int) -> None:
         self.cache = cache
@@ -136,12 +143,15 @@ class Stream:
 class Engine:
     """Runs requests on a Transformer in a thread of its own; see the module's docstring."""
 
-    def __init__(self, transformer, tokenizer, settings: EngineSettings):
+    def __init__(
+        self, transformer, tokenizer, settings: EngineSettings, speculator: Speculator | None = None
+    ):
         if settings.parallel < 1 or settings.batch_size < 1:
             raise FastrunError("--parallel and --batch-size must be at least 1")
         self.transformer = transformer
         self.tokenizer = tokenizer
         self.settings = settings
+        self.speculator = speculator
         self.cells = transformer.new_cells(settings.parallel, settings.n_ctx)
         self._free: deque[KVCache] = deque(self.cells.sequences)  # least recently used first
         self._waiting: deque[Request] = deque()
@@ -206,6 +216,7 @@ class Engine:
                 "prompt_tokens": self.prompt_tokens,
                 "step_seconds": self.step_seconds,
                 "pass_seconds": self.pass_seconds,
+                **({"speculative": self.speculator.stats()} if self.speculator else {}),
             }
 
     def close(self) -> None:
@@ -260,6 +271,8 @@ class Engine:
             request = self._waiting.popleft()
             cache, reused = self._place(request.prompt)
             request.start(cache, reused)
+            if self.speculator is not None:
+                self.speculator.start(request)
             self._prefilling.append(request)
 
     def _place(self, prompt: list[int]) -> tuple[KVCache, int]:
@@ -313,39 +326,62 @@ class Engine:
             self.step_seconds += time.perf_counter() - started
 
     def _gather_run_sample(self) -> None:
-        batch, rows = Batch(), []  # rows: (request, its output's place)
+        batch, rows = Batch(), []  # rows: (request, its first output's place, its Draft)
         budget = self.settings.batch_size
-        for request in list(self._decoding):
-            if budget <= 0:
-                break
-            if request.cache.free_slots == 0 and not self._make_room(request):
-                continue
-            rows.append((request, batch.add(request.cache, [request.next_token])))
-            budget -= 1
+        decoding = self._ready_to_decode(budget)
+        budget -= len(decoding)
+        drafts = self.speculator.drafts(decoding, budget) if self.speculator and decoding else {}
+        started = time.perf_counter()  # a step's cost, for speculation's plans: drafts apart
+        for request in decoding:
+            draft = drafts.get(request)
+            if draft is None:
+                rows.append((request, batch.add(request.cache, [request.next_token]), None))
+            else:
+                tokens = [request.next_token, *draft.tokens]
+                rows.append((request, batch.add(request.cache, tokens, "all"), draft))
+                budget -= len(draft.tokens)
+        only_decoding = True
         for request in list(self._prefilling):
             if budget <= 0:
                 break
             chunk, request.pending = request.pending[:budget], request.pending[budget:]
             budget -= len(chunk)
             self.prompt_tokens += len(chunk)
+            only_decoding = False
             if request.pending:
                 batch.add(request.cache, chunk, "none")
             else:  # its last chunk: the prompt's logits start the generation
-                rows.append((request, batch.add(request.cache, chunk)))
+                rows.append((request, batch.add(request.cache, chunk), None))
                 self._prefilling.remove(request)
                 self._decoding.append(request)
         if batch.n == 0:
             return
-        in_batch = [r for r, _ in rows] + [r for r in self._prefilling if r.cache is not None]
+        in_batch = [r for r, _, _ in rows] + [r for r in self._prefilling if r.cache is not None]
         try:
-            logits = self._run(batch, [r for r, _ in rows])
+            logits = self._run(batch, [r for r, _, _ in rows])
         except Exception as e:  # noqa: BLE001 - the requests of this pass end with it
             for request in in_batch:
                 self._cancel_with(request, e)
             return
         self.steps += 1
-        for request, row in rows:
-            self._advance(request, logits, row)
+        for request, row, draft in rows:
+            if draft is None:
+                self._advance(request, logits, row)
+            else:
+                self._advance_drafted(request, logits, row, draft)
+        if self.speculator is not None and only_decoding:
+            self.speculator.step_done(batch.n, time.perf_counter() - started)
+
+    def _ready_to_decode(self, budget: int) -> list[Request]:
+        """The decoding requests of this step (a full one shifts its context first)."""
+        ready = []
+        for request in list(self._decoding):
+            if len(ready) >= budget:
+                break
+            if request.cache.free_slots == 0 and not self._make_room(request):
+                continue
+            ready.append(request)
+        return ready
 
     def _cancel_with(self, request: Request, error: Exception) -> None:
         for group in (self._prefilling, self._decoding):
@@ -364,29 +400,55 @@ class Engine:
         finally:
             self.pass_seconds += time.perf_counter() - started
 
-    def _advance(self, request: Request, logits, row: int) -> None:
+    def _choice(self, request: Request, logits, row: int):
+        """What the request's sampler takes from output `row`: its candidates or the whole row,
+        and the whole row where there is one (for log-probabilities)."""
         k = request.candidates
-        full = None
         if isinstance(logits, tuple):  # (ids, values) of the batch's most candidates
-            choice = Candidates(logits[0][row, :k], logits[1][row, :k])
-        else:
-            full = logits[row]
-            choice = full
-            if k:  # a neighbour needed whole rows; this sampler takes its own candidates
-                ids, values = top_k_host(full[None], k)
-                choice = Candidates(ids[0], values[0])
+            return Candidates(logits[0][row, :k], logits[1][row, :k]), None
+        full = logits[row]
+        if k:  # a neighbour needed whole rows; this sampler takes its own candidates
+            ids, values = top_k_host(full[None], k)
+            return Candidates(ids[0], values[0]), full
+        return full, full
+
+    def _advance(self, request: Request, logits, row: int) -> None:
+        choice, full = self._choice(request, logits, row)
         token = request.sampler(choice, request.cache.tokens)
-        self.generated += 1
-        logprobs = None
-        if request.params.logprobs is not None and full is not None:
-            logprobs = log_softmax(full)
-        piece, done = request.continuation.push(token, logprobs)
-        if piece is not None:
-            request.events.put(piece)
-        if done:
-            self._decoding.remove(request)
-            self._finish(request)
-        else:
+        self._emit(request, [(token, full)])
+
+    def _advance_drafted(self, request: Request, logits, row: int, draft: Draft) -> None:
+        """Check a draft against the target's outputs row, row + 1, ...: the accepted tokens
+        and the target's own next one are emitted, the cells of the rejected ones trimmed."""
+        cache = request.cache
+        before = cache.length - len(draft.tokens) - 1  # where the sequence's last token went
+        fulls = {}
+
+        def target(j: int):  # the sampler's distribution after the j-th drafted token
+            choice, fulls[j] = self._choice(request, logits, row + j)
+            return request.sampler.distribution(choice, cache.tokens[: before + j + 1])
+
+        kept, accepted = check_draft(draft, target, request.sampler)
+        cache.trim(before + 1 + accepted)
+        self.speculator.checked(request, draft, accepted)
+        self.speculator.rolled_back(request)
+        self._emit(request, [(t, fulls[j]) for j, t in enumerate(kept)])
+
+    def _emit(self, request: Request, tokens: list) -> None:
+        """Hand sampled tokens (token, its whole row of logits or None) to the request's
+        continuation, up to the end of its generation."""
+        for token, full in tokens:
+            self.generated += 1
+            logprobs = None
+            if request.params.logprobs is not None and full is not None:
+                logprobs = log_softmax(full)
+            piece, done = request.continuation.push(token, logprobs)
+            if piece is not None:
+                request.events.put(piece)
+            if done:
+                self._decoding.remove(request)
+                self._finish(request)
+                return
             request.next_token = token
 
     def _make_room(self, request: Request) -> bool:
@@ -401,5 +463,7 @@ class Engine:
             self._finish(request, "length")
             return False
         cache.shift(keep, discard, self.transformer.config.rope)
+        if self.speculator is not None:
+            self.speculator.shifted(request, keep, discard)
         request.completion.context_shifts += 1
         return True

@@ -45,6 +45,18 @@ class Completion:
     prefill_seconds: float = 0.0  # from the start of its prefill to its first token
     decode_seconds: float = 0.0  # from the first token to the last
     context_shifts: int = 0
+    draft_rounds: int = 0  # speculative decoding: target passes that checked drafted tokens,
+    drafted_tokens: int = 0  # the tokens drafted for them
+    accepted_tokens: int = 0  # and those accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Drafted tokens accepted per checking pass (each pass also yields one of its own)."""
+        return self.accepted_tokens / self.draft_rounds if self.draft_rounds else 0.0
 
     @property
     def prefill_tps(self) -> float:

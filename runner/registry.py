@@ -105,6 +105,18 @@ def resolve_model(model: str | os.PathLike, *, pull: bool = True, progress=None)
     return pull_model(entry, progress=progress)
 
 
+def paired_draft(model: str | os.PathLike) -> str:
+    """The draft model models.toml pairs with a model (its name, or its file's name)."""
+    text = os.fspath(model)
+    name = os.path.basename(text)
+    for entry in load_registry().values():
+        if text == entry.name or name == entry.file:
+            if entry.draft:
+                return entry.draft
+            raise FastrunError(f"models.toml pairs no draft model with {entry.name}")
+    raise FastrunError(f"{text} is not in models.toml, so no draft is paired with it: name one")
+
+
 # -- pulling ---------------------------------------------------------------------------------
 
 

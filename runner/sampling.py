@@ -75,15 +75,26 @@ class Sampler:
         return k if 0 < k <= MAX_CANDIDATES and (p.temperature <= 0 or p.top_k > 0) else 0
 
     def __call__(self, logits: np.ndarray | Candidates, history: list[int]) -> int:
+        ids, probs = self.distribution(logits, history)
+        if self.params.temperature <= 0:
+            return int(ids[0])
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def distribution(
+        self, logits: np.ndarray | Candidates, history: list[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution the sampler draws from, after every filter: (ids, probabilities
+        float64), most likely first; greedy is one id of probability 1. Speculative decoding
+        verifies drafts against exactly this distribution."""
         p = self.params
         if isinstance(logits, Candidates):  # already the top k, best first
             ids, values = logits.ids, logits.logits
             if p.temperature <= 0:
-                return next(int(i) for i in ids if int(i) not in self._banned)
+                return _certain(next(int(i) for i in ids if int(i) not in self._banned))
             if self._banned:
                 keep = ~np.isin(ids, self.banned)
                 ids, values = ids[keep], values[keep]
-            return self._draw(ids[: p.top_k], values[: p.top_k].astype(np.float64))
+            return self._filtered(ids[: p.top_k], values[: p.top_k].astype(np.float64))
         logits = np.asarray(logits, np.float32).reshape(-1)
         if len(self.banned):
             logits = logits.copy()
@@ -93,21 +104,21 @@ class Sampler:
                 logits.copy(), history[-p.repeat_last_n :] if p.repeat_last_n else []
             )
         if p.temperature <= 0:
-            return int(np.argmax(logits))
+            return _certain(int(np.argmax(logits)))
         ids = np.arange(logits.size)
         if 0 < p.top_k < logits.size:
             ids = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
         ids = ids[np.argsort(-logits[ids], kind="stable")]  # most likely first
-        return self._draw(ids, logits[ids].astype(np.float64))
+        return self._filtered(ids, logits[ids].astype(np.float64))
 
-    def _draw(self, ids: np.ndarray, kept: np.ndarray) -> int:
-        """top-p, min-p, temperature and the draw over the top-k ids, kept their logits
-        (float64), best first."""
+    def _filtered(self, ids: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """top-p, min-p and temperature over the top-k ids, kept their logits (float64), best
+        first: the ids left and their probabilities."""
         p = self.params
         if not np.isfinite(kept).all():
             ids, kept = _usable(ids, kept)  # NaN or inf from a damaged model
             if len(ids) == 1:
-                return int(ids[0])
+                return _certain(int(ids[0]))
         probs = np.exp(kept - kept[0])
         probs /= probs.sum()
         if p.top_p < 1.0:
@@ -119,7 +130,7 @@ class Sampler:
         scaled = (kept - kept[0]) / p.temperature
         probs = np.exp(scaled)
         probs /= probs.sum()
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return ids, probs
 
     def _penalize(self, logits: np.ndarray, recent: list[int]) -> np.ndarray:
         p = self.params
@@ -129,6 +140,10 @@ class Sampler:
                 logits[tid] = v / p.repeat_penalty if v > 0 else v * p.repeat_penalty
             logits[tid] -= count * p.frequency_penalty + p.presence_penalty
         return logits
+
+
+def _certain(token: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([token], np.int64), np.ones(1)
 
 
 def _usable(ids: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

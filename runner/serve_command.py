@@ -12,7 +12,19 @@ import typer
 
 from fastrun.formats.errors import FastrunError
 from fastrun.runner.app import app, resolve
-from fastrun.runner.commands import BackendOpt, CtxSize, Threads, load_model
+from fastrun.runner.commands import (
+    SPEC,
+    BackendOpt,
+    CtxSize,
+    Draft,
+    DraftMax,
+    DraftMin,
+    DraftPMin,
+    Lookup,
+    Threads,
+    load_model,
+    speculative,
+)
 
 GRACEFUL_SHUTDOWN_SECONDS = 10  # open streams are cancelled at once; this bounds the wait
 
@@ -47,9 +59,14 @@ def serve(
     ] = None,
     backend: BackendOpt = "auto",
     threads: Threads = None,
+    draft: Draft = None,
+    lookup: Lookup = False,
+    draft_max: DraftMax = SPEC.draft_max,
+    draft_min: DraftMin = SPEC.draft_min,
+    draft_p_min: DraftPMin = SPEC.draft_p_min,
 ) -> None:
     """Serve MODEL over the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics). Ctrl-C or SIGTERM ends open streams and exits."""
+    /health, /metrics, /stats). Ctrl-C or SIGTERM ends open streams and exits."""
     try:
         import uvicorn
     except ImportError:
@@ -60,12 +77,14 @@ def serve(
     model_id = Path(path).stem if os.path.exists(model) else model
     sock = _listen(host, port)
     failure: list[str] = []
+    drafting = speculative(draft, lookup, draft_max, draft_min, draft_p_min)
 
     def load():
         # the one loading path of run, chat and bench (kernel notice, GPU upload bar)
         return load_model(
-            str(path), backend, ctx_size, threads, parallel=parallel, max_queue=max_queue
-        )
+            str(path), backend, ctx_size, threads, parallel=parallel, max_queue=max_queue,
+            **drafting,
+        )  # fmt: skip
 
     def load_failed(message: str) -> None:
         failure.append(message)

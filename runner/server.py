@@ -369,6 +369,13 @@ def create_app(
         status = "stopping" if state.stopping else "error" if state.load_error else "loading"
         return JSONResponse({"status": status}, status_code=503)
 
+    async def stats(request: Request) -> Response:
+        """The engine's counters as JSON (with speculative decoding: its drafts' acceptance)."""
+        authorize(request)
+        if state.engine is None:
+            raise ApiError(503, "the model is not loaded yet", kind="server_error")
+        return JSONResponse(state.engine.stats())
+
     async def metrics_text(request: Request) -> Response:
         authorize(request)
         stats = state.engine.stats() if state.engine is not None else None
@@ -403,6 +410,7 @@ def create_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

@@ -106,6 +106,21 @@ class Metrics:
             }[key]
             name = "fastrun_context_tokens" if key == "n_ctx" else f"fastrun_{key}_sequences"
             metric(name, "gauge", help_text, [("", stats.get(key, 0))])
+        drafts = stats.get("speculative")
+        if drafts:
+            metric("fastrun_draft_rounds_total", "counter",
+                   "Target passes that checked drafted tokens (per sequence).",
+                   [("", drafts["rounds"])])  # fmt: skip
+            metric("fastrun_drafted_tokens_total", "counter", "Tokens drafted.",
+                   [("", drafts["drafted_tokens"])])  # fmt: skip
+            metric("fastrun_accepted_tokens_total", "counter", "Drafted tokens accepted.",
+                   [("", drafts["accepted_tokens"])])  # fmt: skip
+            metric("fastrun_draft_acceptance_rate", "gauge",
+                   "Accepted over drafted tokens, since the start.",
+                   [("", drafts["acceptance_rate"])])  # fmt: skip
+            metric("fastrun_mean_accepted_length", "gauge",
+                   "Drafted tokens accepted per checking pass, since the start.",
+                   [("", drafts["mean_accepted_length"])])  # fmt: skip
         metric("fastrun_model_ready", "gauge", "1 once the model is loaded.", [("", int(ready))])
         cumulative, samples = 0, []
         for bound, count in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts, strict=True):

@@ -224,6 +224,23 @@ def test_fake_auth_size_limit_queue_full_and_routes(fake):
         assert name in metrics
 
 
+def test_fake_stats_and_speculative_metrics(fake):
+    client, engine = fake
+    drafts = {"kind": "lookup", "rounds": 4, "drafted_tokens": 12, "accepted_tokens": 9,
+              "acceptance_rate": 0.75, "mean_accepted_length": 2.25}  # fmt: skip
+    engine.stats = lambda: {**FakeEngine.stats(engine), "speculative": drafts}
+    assert client.get("/stats").status_code == 401
+    assert client.get("/stats", headers=AUTH).json()["speculative"] == drafts
+    metrics = client.get("/metrics", headers=AUTH).text
+    expected = (
+        "fastrun_drafted_tokens_total 12",
+        "fastrun_accepted_tokens_total 9",
+        "fastrun_draft_acceptance_rate 0.75",
+        "fastrun_mean_accepted_length 2.25",
+    )
+    assert all(line in metrics for line in expected)
+
+
 # -- the real server in a subprocess -----------------------------------------------------------
 
 
@@ -403,6 +420,20 @@ def test_models_health_metrics_and_a_disconnect_cancels(server, client):
     assert metric(url, "fastrun_cancelled_generations_total") == cancelled + 2
     assert metric(url, 'fastrun_requests_total{endpoint="/v1/models",status="200"}') >= 1
     assert metric(url, "fastrun_generated_tokens_total") > 0
+
+
+def test_prompt_lookup_server_answers_as_plain_decoding(reference, tmp_path):
+    """`serve --lookup`: greedy text as without speculation; drafts counted in /stats."""
+    with serve(MODEL, "--lookup", tmp_path=tmp_path) as (proc, url):
+        lookup = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Repeat exactly: one two three, one two three."}]
+        reply = lookup.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=24
+        )
+        assert reply.choices[0].message.content == reference(messages, max_tokens=24)
+        stats = httpx.get(f"{url}/stats", headers=AUTH).json()["speculative"]
+        assert stats["kind"] == "lookup" and stats["drafted_tokens"] > 0
+        assert metric(url, "fastrun_drafted_tokens_total") == stats["drafted_tokens"]
 
 
 def test_full_queue_503_then_sigterm_ends_open_streams_and_exits_0(tmp_path):

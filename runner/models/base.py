@@ -208,7 +208,8 @@ class Transformer:
             last = start + PREFILL_CHUNK >= len(ids)
             batch = Batch()
             batch.add(cache, chunk, "all" if all_logits else "last" if last else "none")
-            out = self.run(batch, cache.cells, 0 if all_logits else top_k)
+            # scoring passes of every row are not steps to capture (capture: a decode step)
+            out = self.run(batch, cache.cells, 0 if all_logits else top_k, not all_logits)
             if out is not None:
                 outputs.append(out)
         if isinstance(outputs[0], tuple):

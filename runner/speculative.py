@@ -1,0 +1,599 @@
+"""Speculative decoding: a drafter proposes a few tokens per sequence, the target checks them all
+in one pass of the engine (the sequence's last token and its drafts, logits for each), and the
+accepted prefix stays while the rejected cells are trimmed.
+
+Two drafters: a small model of the same vocabulary (its own KV cells, a sequence per target
+sequence, drafting one token per pass for every speculating sequence at once), and prompt
+lookup (the tokens that followed the latest earlier occurrence of the last n-gram of the prompt
+and the text so far; no model, so drafting is free).
+
+Exact: the target's distribution p at each position is its sampler's final distribution (the
+filters, penalties and temperature applied), so a drafted token x drawn from the drafter's q is
+accepted with probability min(1, p(x) / q(x)), and the first rejected one is replaced by a draw
+from max(0, p - q), normalized; with every draft accepted, one more token comes from p. The
+tokens are then distributed as plain sampling's (Leviathan et al. 2023); at temperature 0, p is
+a point mass on the argmax and the tokens are plain greedy decoding's, one for one.
+
+Adaptive: each step plans how many tokens each sequence drafts from what was measured here,
+on this machine and backend: the seconds of a target pass by its number of tokens, of a draft
+pass, and each sequence's acceptance rate. It picks the plan with the most expected tokens per
+second, and no drafts at all when plain decoding does better. Sizes of pass never measured
+are priced at the least they could cost (a pass of more tokens costs no less, and no more per
+token), so they are tried once and then known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fastrun.formats.errors import FastrunError
+from fastrun.runner.batch import MAX_STEP_TOKENS, Batch
+from fastrun.runner.sampling import Candidates, Sampler
+
+LOOKUP_NGRAMS = (4, 3, 2, 1)  # n-gram lengths prompt lookup matches, longest first
+CONFIDENCE_CANDIDATES = 10  # draft tokens whose probabilities judge --draft-p-min
+VOCAB_SLACK = 128  # tokens a draft's vocabulary may have more or fewer than the target's
+WARM_UP_PASSES = 1  # passes of each size not measured (compilation, a CUDA graph's capture)
+COST_WEIGHT = 0.3  # of each new measurement of a pass's seconds in its running average
+ACCEPT_PRIOR = 0.5  # acceptance assumed before any draft was checked
+ACCEPT_DECAY = 0.9  # per checked draft: older drafts of a sequence count less
+DECLINED_DECAY = 0.97  # per declined offer: a sequence's low rate drifts back to the prior
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    draft_max: int = MAX_STEP_TOKENS - 1  # most tokens drafted per sequence and step
+    draft_min: int = 0  # fewer than this: draft nothing (0: any number)
+    draft_p_min: float = 0.75  # a draft model stops where its token is less likely than this
+
+    def __post_init__(self):
+        if not 0 <= self.draft_min <= self.draft_max <= MAX_STEP_TOKENS - 1:
+            raise FastrunError(
+                f"--draft-min {self.draft_min} and --draft-max {self.draft_max}: need "
+                f"0 <= min <= max <= {MAX_STEP_TOKENS - 1}"
+            )
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise FastrunError(f"--draft-p-min must be within 0 and 1, not {self.draft_p_min}")
+
+
+@dataclass
+class Draft:
+    """Tokens proposed for one sequence, and the distribution each was drawn from (ids,
+    probabilities); None: lookup's point masses."""
+
+    label: str  # which drafter (and for lookup, which n-gram length) proposed it
+    tokens: list[int]
+    dists: list[tuple[np.ndarray, np.ndarray]] | None = None
+
+
+# -- checking a draft ------------------------------------------------------------------------------
+
+
+def _probability(dist: tuple[np.ndarray, np.ndarray], token: int) -> float:
+    ids, probs = dist
+    where = np.flatnonzero(ids == token)
+    return float(probs[where[0]]) if where.size else 0.0
+
+
+def _residual(p: tuple, q: tuple | None, token: int) -> tuple[np.ndarray, np.ndarray]:
+    """max(0, p - q) normalized: what to draw from after q's token was rejected (q None: a
+    point mass on token)."""
+    ids, probs = p
+    rest = probs.copy()
+    if q is None:
+        rest[ids == token] = 0.0
+    else:
+        q_ids, q_probs = q
+        order = np.argsort(q_ids)
+        at = np.searchsorted(q_ids[order], ids).clip(0, len(order) - 1)
+        found = q_ids[order][at] == ids
+        rest -= np.where(found, q_probs[order][at], 0.0)
+        np.maximum(rest, 0.0, out=rest)
+    total = rest.sum()
+    if total <= 0.0:  # p <= q everywhere only if p == q up to rounding: p itself is exact
+        return p
+    return ids, rest / total
+
+
+def _draw(sampler: Sampler, dist: tuple[np.ndarray, np.ndarray]) -> int:
+    ids, probs = dist
+    if len(ids) == 1:
+        return int(ids[0])
+    return int(ids[sampler.rng.choice(len(ids), p=probs)])
+
+
+def check_draft(draft: Draft, target, sampler: Sampler) -> tuple[list[int], int]:
+    """The tokens a sequence keeps from a draft, and how many of them are drafted ones.
+
+    target(j): the target's distribution (ids, probabilities) at position j, after the
+    sequence's last token and the first j drafted tokens (0 <= j <= len(draft.tokens)); it is
+    asked only for the positions needed. Rejection sampling: the kept tokens are distributed
+    as draws from the target alone, the last of them always the target's own."""
+    kept: list[int] = []
+    for j, token in enumerate(draft.tokens):
+        p = target(j)
+        q = None if draft.dists is None else draft.dists[j]
+        p_x = _probability(p, token)
+        q_x = 1.0 if q is None else _probability(q, token)
+        # no random number where the answer is certain: greedy decoding draws none
+        if p_x > 0.0 and (p_x >= q_x or sampler.rng.random() * q_x < p_x):
+            kept.append(token)
+            continue
+        kept.append(_draw(sampler, _residual(p, q, token)))
+        return kept, j
+    kept.append(_draw(sampler, target(len(draft.tokens))))
+    return kept, len(draft.tokens)
+
+
+# -- what passes cost, how often drafts are accepted, how much to draft ---------------------------
+
+
+class PassCosts:
+    """Seconds of a pass by its number of tokens, as measured here (running averages)."""
+
+    def __init__(self, unknown: float | None = None):
+        self.seconds: dict[int, float] = {}
+        self.seen: Counter[int] = Counter()
+        self.unknown = unknown  # the estimate while nothing is measured (None: no estimate)
+
+    def record(self, n: int, seconds: float) -> None:
+        self.seen[n] += 1
+        if self.seen[n] <= WARM_UP_PASSES:
+            return
+        old = self.seconds.get(n)
+        self.seconds[n] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+
+    def estimate(self, n: int) -> float | None:
+        """The measured seconds of n tokens; for a size not measured, the least it can cost:
+        no less than a smaller pass, no less per token than a larger one."""
+        if n <= 0:
+            return 0.0
+        if n in self.seconds:
+            return self.seconds[n]
+        if not self.seconds:
+            return self.unknown
+        below = max((s for m, s in self.seconds.items() if m < n), default=0.0)
+        above = max((s * n / m for m, s in self.seconds.items() if m > n), default=0.0)
+        return max(below, above)
+
+
+@dataclass
+class Acceptance:
+    """How often drafted tokens were accepted: successes over trials, a trial being each drafted
+    token checked up to and including the first rejected one, older ones counting less."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.accepted * ACCEPT_DECAY + accepted
+        self.trials = self.trials * ACCEPT_DECAY + accepted + (accepted < drafted)
+
+    def decline(self) -> None:
+        self.accepted *= DECLINED_DECAY
+        self.trials *= DECLINED_DECAY
+
+    def rate(self, prior: float, weight: float = 2.0) -> float:
+        return (self.accepted + weight * prior) / (self.trials + weight)
+
+
+def plan_drafts(
+    offers: list[tuple[float, int, bool]],
+    n_plain: int,
+    target: PassCosts,
+    draft: PassCosts | None,
+) -> list[int]:
+    """How many tokens each sequence drafts this step.
+
+    offers: per sequence, its acceptance rate a, the most tokens it may draft (its j-th drafted
+    token then adds a**j tokens in expectation) and whether a draft model's passes make them.
+    n_plain: the tokens of the step without drafts (one per decoding sequence). target: the
+    seconds of target passes by tokens; draft: of draft passes (None: no draft model). The
+    plan maximizes expected tokens per second; all zeros when plain decoding is best or its
+    cost is not known yet."""
+    plain = target.estimate(n_plain)
+    if not plain:
+        return [0] * len(offers)
+    # drafted tokens in the order of their expected gain; any prefix is a plan
+    gains = (
+        (min(a, 0.999) ** j, s, j)
+        for s, (a, most, _) in enumerate(offers)
+        for j in range(1, most + 1)
+    )
+    extra = sorted(gains, key=lambda c: (-c[0], c[1], c[2]))
+    best_rate, best = n_plain / plain, 0
+    gain, drafting, per_pass = 0.0, 0.0, Counter()  # per_pass[j]: sequences drafting a j-th
+    for i, (g, s, j) in enumerate(extra, start=1):
+        gain += g
+        if draft is not None and offers[s][2]:
+            per_pass[j] += 1
+            drafting += (draft.estimate(per_pass[j]) or 0.0) - (
+                draft.estimate(per_pass[j] - 1) or 0.0
+            )
+        rate = (n_plain + gain) / (target.estimate(n_plain + i) + drafting)
+        if rate > best_rate:
+            best_rate, best = rate, i
+    plan = [0] * len(offers)
+    for _g, s, _j in extra[:best]:
+        plan[s] += 1
+    return plan
+
+
+# -- drafters --------------------------------------------------------------------------------------
+
+
+class NgramIndex:
+    """Where each n-gram of a token list last occurred, as the position of the token after it;
+    extended as the list grows. The latest occurrence: in an edit of given code, the place
+    being copied now."""
+
+    def __init__(self, sizes=LOOKUP_NGRAMS):
+        self.sizes = sizes
+        self.tokens: list[int] = []
+        self.follower: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens) -> None:
+        for token in tokens:
+            at = len(self.tokens)
+            for n in self.sizes:
+                if at >= n:
+                    self.follower[tuple(self.tokens[at - n : at])] = at
+            self.tokens.append(int(token))
+
+    def propose(self, most: int) -> tuple[int, list[int]]:
+        """The longest n-gram ending the list that occurred before, and up to `most` tokens that
+        followed it there; (0, []) where none did."""
+        for n in self.sizes:
+            if len(self.tokens) < n:
+                continue
+            at = self.follower.get(tuple(self.tokens[-n:]))
+            if at is not None:
+                return n, self._continue(at, most)
+        return 0, []
+
+    def _continue(self, at: int, most: int) -> list[int]:
+        """Tokens from position `at` on; past the end of the list, the proposal repeats itself
+        (a match close to the end is a period: 'a b a b' continues 'a b')."""
+        tokens, end = self.tokens, len(self.tokens)
+        proposal: list[int] = []
+        for i in range(at, at + most):
+            proposal.append(tokens[i] if i < end else proposal[i - end])
+        return proposal
+
+
+@dataclass
+class SequenceState:
+    """One sequence's speculation: its acceptance by drafter label, its lookup index or its
+    draft sampler, the offer of this step."""
+
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    index: NgramIndex | None = None
+    sampler: Sampler | None = None
+    offer: Draft | None = None  # lookup: the tokens proposed before the plan trims them
+
+
+class LookupDrafter:
+    """Prompt lookup: drafts are the tokens that followed the last n-gram's previous
+    occurrence in the prompt and the text so far. Drafting costs nothing measurable."""
+
+    kind = "lookup"
+    costs = None
+
+    def costly(self, label: str) -> bool:
+        return False
+
+    def start(self, request, state: SequenceState) -> None:
+        state.index = NgramIndex()
+        state.index.extend(request.prompt)
+
+    def offer(self, request, state: SequenceState, most: int) -> str | None:
+        """The label of what it can propose and keeps the proposal; None: nothing."""
+        index = state.index
+        index.extend(request.completion.tokens[len(index.tokens) - len(request.prompt) :])
+        n, tokens = index.propose(most)
+        state.offer = Draft(f"lookup{n}", tokens) if tokens else None
+        return None if state.offer is None else state.offer.label
+
+    def most(self, state: SequenceState) -> int:
+        return len(state.offer.tokens)
+
+    def draft(self, jobs) -> dict:
+        return {request: Draft(st.offer.label, st.offer.tokens[:k]) for request, st, k in jobs}
+
+    def rolled_back(self, request, kept: int) -> None:
+        pass
+
+    def shifted(self, request, keep: int, discard: int) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A small model of the target's vocabulary drafts with the request's own sampling
+    settings, one token per pass for every speculating sequence at once, in KV cells of its
+    own (sequence i drafts for the target's sequence i)."""
+
+    kind = "draft"
+
+    def costly(self, label: str) -> bool:
+        return True
+
+    def __init__(self, transformer, tokenizer, n_seq: int, n_ctx: int, p_min: float, chunk: int):
+        self.transformer = transformer
+        self.tokenizer = tokenizer
+        self.cells = transformer.new_cells(n_seq, n_ctx)
+        self.p_min = p_min
+        self.chunk = chunk  # tokens of one catch-up pass at most (a new prompt, a shift)
+        self.costs = PassCosts(unknown=0.0)  # free until measured: the first draft tries it
+        self.n_vocab = None  # the target's, set by the Speculator: drafts must be ids it has
+
+    def start(self, request, state: SequenceState) -> None:
+        # the target's settings, so that q is close to p; a seed of its own
+        params = request.params
+        seed = None if params.seed is None else (params.seed + 1) % (1 << 64)
+        banned = frozenset(request.sampler.banned.tolist())
+        state.sampler = Sampler(dataclasses.replace(params, seed=seed), banned)
+
+    def offer(self, request, state: SequenceState, most: int) -> str | None:
+        return self.kind
+
+    def most(self, state: SequenceState) -> int:
+        return MAX_STEP_TOKENS - 1
+
+    def _cache(self, request):
+        return self.cells.sequences[request.cache.index]
+
+    def draft(self, jobs) -> dict:
+        """Draft up to k tokens for each (request, state, k): catch the draft's cells up with
+        the target's tokens, then one pass per drafted token; a sequence stops early at a
+        token less likely than p_min, or at an end-of-generation token."""
+        todo = {}  # request -> (state, k, tokens to run next, Draft)
+        for request, state, k in jobs:
+            context = request.cache.tokens + [request.next_token]
+            cache = self._cache(request)
+            # the last token always runs again: its logits give the first draft
+            cache.trim(min(cache.common_prefix(context), len(context) - 1))
+            todo[request] = (state, k, context[cache.length :], Draft(self.kind, [], []))
+        self._catch_up(todo)
+        drafts = {request: entry[3] for request, entry in todo.items()}
+        while todo:
+            todo = self._draft_one(todo)
+        return {r: d for r, d in drafts.items() if d.tokens}
+
+    def _catch_up(self, todo: dict) -> None:
+        """Long catch-ups (a new prompt, a context shift) first, in chunks that want no
+        logits; every sequence is then at most one chunk behind."""
+        while True:
+            behind = [(r, e) for r, e in todo.items() if len(e[2]) > self.chunk]
+            if not behind:
+                return
+            batch = Batch()
+            for request, (state, k, pending, d) in behind:
+                batch.add(self._cache(request), pending[: self.chunk], "none")
+                todo[request] = (state, k, pending[self.chunk :], d)
+            self.transformer.run(batch, self.cells)
+
+    def _draft_one(self, todo: dict) -> dict:
+        started = time.perf_counter()
+        batch, places = Batch(), {}
+        for request, (_state, _k, pending, _d) in todo.items():
+            places[request] = batch.add(self._cache(request), pending)
+        needs = [e[0].sampler.candidates for e in todo.values()]
+        top_k = 0 if 0 in needs else max(max(needs), CONFIDENCE_CANDIDATES)
+        logits = self.transformer.run(batch, self.cells, top_k)
+        going = {}
+        for request, (state, k, _pending, draft) in todo.items():
+            row = places[request]
+            choice = Candidates(logits[0][row], logits[1][row]) if top_k else logits[row]
+            dist = state.sampler.distribution(choice, self._cache(request).tokens)
+            token = _draw(state.sampler, dist)
+            if token >= self.n_vocab:  # beyond the target's vocabulary: never accepted
+                continue
+            draft.tokens.append(token)
+            draft.dists.append(dist)
+            if len(draft.tokens) < k and not self._stops(token, choice):
+                going[request] = (state, k, [token], draft)
+        self.costs.record(batch.n, time.perf_counter() - started)
+        return going
+
+    def _stops(self, token: int, choice) -> bool:
+        """Whether drafting ends after this token: an end of generation, or a token the draft
+        itself finds less likely than p_min (its softmax at temperature 1, whatever the
+        sampling settings; over the top candidates where only those came back)."""
+        if token in self.tokenizer.eog_ids:
+            return True
+        if isinstance(choice, Candidates):
+            values, at = choice.logits, int(np.flatnonzero(choice.ids == token)[0])
+        else:
+            values, at = choice, token
+        values = np.asarray(values, np.float64)
+        top = values[np.isfinite(values)].max(initial=-np.inf)
+        if not np.isfinite(values[at]) or not np.isfinite(top):
+            return True
+        mass = np.exp(values[np.isfinite(values)] - top).sum()
+        return float(np.exp(values[at] - top) / mass) < self.p_min
+
+    def rolled_back(self, request, kept: int) -> None:
+        """The target kept `kept` tokens of its cache: the draft's cells past them go."""
+        cache = self._cache(request)
+        cache.trim(min(cache.length, kept))
+
+    def shifted(self, request, keep: int, discard: int) -> None:
+        """The target's context shift, mirrored, so the draft does not run the kept tail again."""
+        cache = self._cache(request)
+        if cache.length > keep + discard:
+            cache.shift(keep, discard, self.transformer.config.rope)
+        else:
+            cache.trim(keep)
+
+
+class LookupThenModel:
+    """Prompt lookup where it finds a match (free), the draft model elsewhere: `--lookup`
+    with `--draft`."""
+
+    kind = "lookup+draft"
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+        self.costs = model.costs
+
+    @property
+    def n_vocab(self):
+        return self.model.n_vocab
+
+    @n_vocab.setter
+    def n_vocab(self, n: int) -> None:
+        self.model.n_vocab = n
+
+    def costly(self, label: str) -> bool:
+        return label == self.model.kind
+
+    def start(self, request, state: SequenceState) -> None:
+        self.lookup.start(request, state)
+        self.model.start(request, state)
+
+    def offer(self, request, state: SequenceState, most: int) -> str | None:
+        return self.lookup.offer(request, state, most) or self.model.offer(request, state, most)
+
+    def most(self, state: SequenceState) -> int:
+        return (self.lookup if state.offer else self.model).most(state)
+
+    def draft(self, jobs) -> dict:
+        by_lookup = [job for job in jobs if job[1].offer is not None]
+        by_model = [job for job in jobs if job[1].offer is None]
+        return {**self.lookup.draft(by_lookup), **(self.model.draft(by_model) if by_model else {})}
+
+    def rolled_back(self, request, kept: int) -> None:
+        self.model.rolled_back(request, kept)
+
+    def shifted(self, request, keep: int, discard: int) -> None:
+        self.model.shifted(request, keep, discard)
+
+
+def check_vocabularies(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
+    """A draft must tokenize as the target does: the same tokenizer kind and the same token
+    texts for their common ids, their vocabularies differing by a little at most."""
+    t, d = target_tokenizer, draft_tokenizer
+    problem = None
+    if t.model != d.model:
+        problem = f"its tokenizer is {d.model}, the target's {t.model}"
+    elif abs(t.n_vocab - d.n_vocab) > VOCAB_SLACK:
+        problem = f"its vocabulary has {d.n_vocab} tokens, the target's {t.n_vocab}"
+    else:
+        n = min(t.n_vocab, d.n_vocab)
+        differ = next((i for i in range(n) if t.tokens[i] != d.tokens[i]), None)
+        if differ is not None:
+            problem = f"token {differ} is {d.tokens[differ]!r} there, {t.tokens[differ]!r} here"
+        elif (t.bos_id, t.eos_id) != (d.bos_id, d.eos_id):
+            problem = "its BOS/EOS tokens differ from the target's"
+    if problem:
+        raise FastrunError(f"draft {draft_name} does not share the target's vocabulary: {problem}")
+
+
+# -- the engine's side -----------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeTotals:
+    rounds: int = 0  # target passes that checked drafts (per sequence)
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "mean_accepted_length": round(self.accepted / self.rounds, 3) if self.rounds else 0.0,
+        }
+
+
+class Speculator:
+    """What the engine asks of speculation each step: drafts for its decoding sequences
+    (planned by measured costs and acceptance), then what was kept of them."""
+
+    def __init__(self, drafter, settings: SpeculativeSettings, n_vocab: int):
+        self.drafter = drafter
+        self.settings = settings
+        drafter.n_vocab = n_vocab
+        self.target_costs = PassCosts()  # seconds of a target step by its tokens
+        self.acceptance: dict[str, Acceptance] = {}  # over every sequence, by drafter label
+        self.totals = SpeculativeTotals()
+
+    @property
+    def kind(self) -> str:
+        return self.drafter.kind
+
+    def start(self, request) -> None:
+        request.speculation = SequenceState()
+        self.drafter.start(request, request.speculation)
+
+    def _rate(self, state: SequenceState, label: str) -> float:
+        overall = self.acceptance.setdefault(label, Acceptance())
+        return state.acceptance.setdefault(label, Acceptance()).rate(overall.rate(ACCEPT_PRIOR))
+
+    def drafts(self, requests: list, budget: int) -> dict:
+        """Drafts for some of the decoding requests (each then runs 1 + len(draft) tokens);
+        budget: tokens the step may add."""
+        s = self.settings
+        offers, labels = [], []
+        for request in requests:
+            state = request.speculation
+            room = min(
+                s.draft_max,
+                request.cache.free_slots - 1,  # its last token and the drafts must fit
+                request.params.max_tokens - len(request.completion.tokens) - 1,
+                budget,
+            )
+            label = None
+            if room >= max(1, s.draft_min):
+                label = self.drafter.offer(request, state, room)
+            labels.append(label)
+            most = 0 if label is None else min(room, self.drafter.most(state))
+            rate = 0.0 if label is None else self._rate(state, label)
+            offers.append((rate, most, label is not None and self.drafter.costly(label)))
+        plan = plan_drafts(offers, len(requests), self.target_costs, self.drafter.costs)
+        jobs = []
+        for request, label, k in zip(requests, labels, plan, strict=True):
+            if label is None:
+                continue
+            if k < max(1, s.draft_min):
+                request.speculation.acceptance[label].decline()
+                continue
+            jobs.append((request, request.speculation, k))
+        drafts = self.drafter.draft(jobs) if jobs else {}
+        return {r: d for r, d in drafts.items() if len(d.tokens) >= s.draft_min}
+
+    def checked(self, request, draft: Draft, accepted: int) -> None:
+        """A draft was checked; `accepted` of its tokens were right."""
+        n = len(draft.tokens)
+        request.speculation.acceptance[draft.label].record(n, accepted)
+        self.acceptance[draft.label].record(n, accepted)
+        self.totals.add(n, accepted)
+        out = request.completion
+        out.draft_rounds += 1
+        out.drafted_tokens += n
+        out.accepted_tokens += accepted
+
+    def rolled_back(self, request) -> None:
+        self.drafter.rolled_back(request, request.cache.length)
+
+    def step_done(self, n_tokens: int, seconds: float) -> None:
+        """A target step of only decoding sequences' tokens took `seconds`."""
+        self.target_costs.record(n_tokens, seconds)
+
+    def shifted(self, request, keep: int, discard: int) -> None:
+        self.drafter.shifted(request, keep, discard)
+
+    def stats(self) -> dict:
+        return {"kind": self.kind, **self.totals.as_dict()}

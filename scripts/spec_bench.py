@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""Speculative decoding, measured: plain decoding against prompt lookup and a draft model on
+code-edit prompts (add type hints to a function, rename a variable, fix a bug; 200+ tokens
+each) and a story, greedy, with llama.cpp's `llama-speculative` and `llama-lookup` on the same
+prompts and models where their binaries are found; ratios in one run, medians of rounds.
+
+    python scripts/spec_bench.py                          # Qwen2.5-Coder 1.5B, 0.5B draft
+    python scripts/spec_bench.py --threads 2 --rounds 3 --llama-bin /path/to/build/bin \\
+        --json spec.json
+    python scripts/spec_bench.py --target smollm2-135m-instruct --draft none --backend cuda
+    python scripts/spec_bench.py --verify-cost --backend cuda --shape llama2-7b   # Q4_0, random
+    python scripts/spec_bench.py --verify-cost --backend cpu --threads 2          # --target's file
+
+Each round runs every prompt in every mode back to back (fastrun's modes, then llama.cpp's),
+so a machine's drift hits them alike. The prompt is the chat template's rendering, tokenized
+by both tools with special tokens parsed. tok/s: generated tokens over the decode's seconds
+(after the prompt's first token; a draft model's own prompt pass is inside them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+DEFAULT_LLAMA_BIN = "/work/llamacpp/llama_cpp_python-0.3.36/build/bin"
+
+FUNCTION = """def summarize(records, field, limit, skip_missing):
+    totals = {}
+    counts = {}
+    for record in records:
+        key = record.get("group")
+        value = record.get(field)
+        if value is None:
+            if skip_missing:
+                continue
+            value = 0
+        if key not in totals:
+            totals[key] = 0
+            counts[key] = 0
+        totals[key] += value
+        counts[key] += 1
+    result = []
+    for key in sorted(totals):
+        mean = totals[key] / counts[key]
+        if len(result) >= limit:
+            break
+        result.append({"group": key, "total": totals[key], "count": counts[key], "mean": mean})
+    return result
+"""
+
+BUGGY = """def merge_intervals(intervals):
+    intervals = sorted(intervals)
+    merged = []
+    for start, end in intervals:
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = min(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def total_covered(intervals):
+    covered = 0
+    for start, end in merge_intervals(intervals):
+        covered += end - start + 1
+    return covered
+
+
+def gaps(intervals, lo, hi):
+    result = []
+    cursor = lo
+    for start, end in merge_intervals(intervals):
+        if start > cursor:
+            result.append((cursor, start))
+        cursor = max(cursor, end)
+    if cursor < hi:
+        result.append((cursor, hi))
+    return result
+"""
+
+PROMPTS = {
+    "type-hints": "Add type hints and a docstring to this function. Reply with the whole "
+    "function only.\n\n```python\n" + FUNCTION + "```",
+    "rename": "Rename the variable `totals` to `sums_by_group` in this function. Reply with "
+    "the whole function only.\n\n```python\n" + FUNCTION + "```",
+    "fix-bug": "merge_intervals has bugs: overlapping or touching intervals must merge into "
+    "one that covers both. Fix them and reply with the whole corrected code only.\n\n"
+    "```python\n" + BUGGY + "```",
+    "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+CODE_PROMPTS = ("type-hints", "rename", "fix-bug")
+
+
+def fastrun_modes(args) -> dict[str, dict]:
+    modes = {"plain": {}, "lookup": {"lookup": True}}
+    if args.draft != "none":
+        modes["draft"] = {"draft": args.draft}
+        modes["both"] = {"draft": args.draft, "lookup": True}  # lookup, the draft elsewhere
+    return {name: kw for name, kw in modes.items() if name in args.modes.split(",")}
+
+
+def load(args, **speculative):
+    from fastrun.runner.api import Model
+    from fastrun.runner.registry import resolve_model
+
+    if speculative.get("draft"):
+        speculative["draft"] = resolve_model(speculative["draft"])
+    drafting = dict(draft_max=args.draft_max, draft_p_min=args.draft_p_min)
+    return Model(
+        resolve_model(args.target), backend=args.backend, n_ctx=args.ctx, parallel=1,
+        threads=args.threads, **speculative, **(drafting if speculative else {}),
+    )  # fmt: skip
+
+
+def run_fastrun(model, text: str, n: int) -> dict:
+    done = model.complete(text, max_tokens=n, temperature=0)
+    return {
+        "tokens": len(done.tokens),
+        "tps": done.decode_tps,
+        "acceptance": done.acceptance_rate,
+        "mean_accepted": done.mean_accepted_length,
+        "ids": done.tokens,
+    }
+
+
+DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+ACCEPT = re.compile(r"accept\s*=\s*([\d.]+)%")
+
+
+def run_llama(binary: Path, args, paths: dict, text: str, n: int) -> dict | None:
+    """llama-speculative (target + draft) or llama-lookup on one prompt: its own report."""
+    cmd = [str(binary), "-m", str(paths["target"]), "-p", text, "-n", str(n), "--temp", "0",
+           "-t", str(args.threads), "-c", str(args.ctx),
+           "--spec-draft-n-max", str(args.llama_draft)]  # fmt: skip
+    if binary.name == "llama-speculative":
+        cmd += ["-md", str(paths["draft"]), "--spec-draft-p-min", str(args.draft_p_min)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"  {binary.name}: {e}", file=sys.stderr)
+        return None
+    out = r.stdout + r.stderr
+    decoded = DECODED.search(out)
+    if r.returncode != 0 or decoded is None:
+        print(f"  {binary.name} failed ({r.returncode}): {out[-400:]}", file=sys.stderr)
+        return None
+    accept = ACCEPT.search(out)
+    return {
+        "tokens": int(decoded.group(1)),
+        "tps": float(decoded.group(3)),
+        "acceptance": float(accept.group(1)) / 100 if accept else 0.0,
+    }
+
+
+def llama_binaries(args) -> dict[str, Path]:
+    folder = Path(args.llama_bin)
+    found = {}
+    for mode, name in (("llama-lookup", "llama-lookup"), ("llama-draft", "llama-speculative")):
+        if (folder / name).is_file() and os.access(folder / name, os.X_OK):
+            if mode == "llama-draft" and args.draft == "none":
+                continue
+            found[mode] = folder / name
+    return found
+
+
+SHAPES = {  # (arch, n_embd, n_ff, n_layer, n_head, n_head_kv, n_vocab): random Q4_0 weights
+    "llama2-7b": ("llama", 4096, 11008, 32, 32, 32, 32000),
+    "qwen2.5-1.5b": ("llama", 1536, 8960, 28, 12, 2, 151936),
+}
+
+
+def verify_costs(args) -> list[dict]:
+    """A pass that checks k drafts (k + 1 tokens of one sequence, logits for each, as the
+    engine runs it: a captured step on CUDA) against one decode step, after 512 cached tokens;
+    seconds are medians of 20 passes."""
+    import tempfile
+    import time
+
+    import numpy as np
+
+    from fastrun.backends import get_backend
+    from fastrun.formats.gguf import GGUFFile
+    from fastrun.runner.batch import Batch
+    from fastrun.runner.models import model_class
+    from fastrun.runner.registry import resolve_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.shape:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from helpers import write_tiny_model
+
+            path = Path(tmp) / f"{args.shape}-Q4_0.gguf"
+            arch, d, ff, n_layer, h, hk, vocab = SHAPES[args.shape]
+            write_tiny_model(path, arch, "Q4_0", d, ff, n_layer, h, hk, vocab, 4096, tied=False,
+                             fast=True)  # fmt: skip
+        else:
+            path = resolve_model(args.target)
+        options = {"threads": args.threads} if args.backend == "cpu" else {}
+        f = GGUFFile(str(path))
+        model = model_class(f.architecture)(f, get_backend(args.backend, **options))
+        cells = model.new_cells(1, 1024)
+        cache = cells.sequences[0]
+        model.forward(np.random.default_rng(0).integers(0, 256, 512), cache)
+        rows, single = [], None
+        for k in range(0, 9):
+
+            def once(k=k):
+                cache.trim(512)
+                batch = Batch()
+                batch.add(cache, [1] * (k + 1), "all")
+                t0 = time.perf_counter()
+                model.run(batch, cells, top_k=1)
+                return time.perf_counter() - t0
+
+            for _ in range(3):  # warm-up: the graph of this size is captured
+                once()
+            seconds = statistics.median(once() for _ in range(20))
+            single = single or seconds
+            rows.append({"k": k, "tokens": k + 1, "ms": round(seconds * 1e3, 3),
+                         "vs_decode_step": round(seconds / single, 3)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+        f.close()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="'none': no draft")
+    ap.add_argument("--modes", default="plain,lookup,draft", help="of plain,lookup,draft,both")
+    ap.add_argument("--prompts", default=",".join(PROMPTS))
+    ap.add_argument("-n", "--tokens", type=int, default=256, help="most tokens per reply")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--draft-max", type=int, default=15)
+    ap.add_argument("--draft-p-min", type=float, default=0.75)
+    ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN, help="llama.cpp's build/bin")
+    ap.add_argument("--llama-draft", type=int, default=8, help="llama.cpp's --spec-draft-n-max")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--verify-cost", action="store_true", help="only a checking pass's cost")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="--verify-cost on random weights")
+    args = ap.parse_args()
+    if args.verify_cost:
+        rows = verify_costs(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        return 0
+
+    from fastrun.runner.registry import resolve_model
+
+    prompts = args.prompts.split(",")
+    modes = fastrun_modes(args)
+    models = {name: load(args, **kw) for name, kw in modes.items()}
+    texts = {p: models["plain"].template.render([{"role": "user", "content": PROMPTS[p]}],
+                                                add_generation_prompt=True)
+             for p in prompts}  # fmt: skip
+    llama = llama_binaries(args)
+    paths = {"target": resolve_model(args.target)}
+    if args.draft != "none":
+        paths["draft"] = resolve_model(args.draft)
+    for model in models.values():  # warm-up: compiled kernels, page faults
+        model.complete(texts[prompts[0]], max_tokens=8, temperature=0)
+
+    runs: dict = {}  # (prompt, mode) -> [result per round]
+    for r in range(args.rounds):
+        for p in prompts:
+            for mode, model in models.items():
+                runs.setdefault((p, mode), []).append(run_fastrun(model, texts[p], args.tokens))
+            for mode, binary in llama.items():
+                result = run_llama(binary, args, paths, texts[p], args.tokens)
+                if result is not None:
+                    runs.setdefault((p, mode), []).append(result)
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+
+    rows = summarize(runs, prompts, [*modes, *llama])
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    exact = all(
+        run["ids"] == runs[(p, "plain")][0]["ids"]
+        for (p, mode), rs in runs.items()
+        if mode in modes and "plain" in modes
+        for run in rs
+    )
+    print(f"greedy output identical in every fastrun mode: {exact}")
+    return 0 if exact else 1
+
+
+def summarize(runs: dict, prompts: list[str], modes: list[str]) -> list[dict]:
+    """A row per prompt and mode: medians over rounds, and ratios against fastrun's plain
+    decoding and (for fastrun's speculative modes) llama.cpp's speculative mode."""
+    rows = []
+    median = statistics.median
+    for p in prompts:
+        plain = median(x["tps"] for x in runs.get((p, "plain"), [{"tps": 0.0}]))
+        for mode in modes:
+            rs = runs.get((p, mode))
+            if not rs:
+                continue
+            tps = median(x["tps"] for x in rs)
+            row = {
+                "prompt": p, "mode": mode, "tokens": median(x["tokens"] for x in rs),
+                "tps": round(tps, 2), "vs_plain": round(tps / plain, 3) if plain else None,
+                "acceptance": round(median(x["acceptance"] for x in rs), 3),
+            }  # fmt: skip
+            peer = runs.get((p, f"llama-{mode}"))
+            if peer:
+                row["vs_llama"] = round(tps / median(x["tps"] for x in peer), 3)
+            rows.append(row)
+    for mode in modes:
+        code = [r["vs_plain"] for r in rows if r["mode"] == mode and r["prompt"] in CODE_PROMPTS]
+        if code and all(v is not None for v in code):
+            rows.append({"prompt": "code (geomean)", "mode": mode,
+                         "vs_plain": round(statistics.geometric_mean(code), 3)})  # fmt: skip
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ("prompt", "mode", "tokens", "tps", "vs_plain", "vs_llama", "acceptance")
+    print(" | ".join(f"{h:>14}" for h in header))
+    for row in rows:
+        print(" | ".join(f"{str(row.get(h, '')):>14}" for h in header))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

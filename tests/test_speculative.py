@@ -1,0 +1,340 @@
+"""Speculative decoding: greedy output token for token that of plain decoding (tiny synthetic
+models in mixed batches, SmolLM2), rejection sampling that keeps the target's distribution
+(a statistical test on a tiny target/draft pair), the plans from costs, prompt lookup."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from helpers import write_tiny_model
+
+from fastrun.backends import get_backend
+from fastrun.formats import GGUFFile
+from fastrun.formats.errors import FastrunError
+from fastrun.runner.api import Model
+from fastrun.runner.models import model_class
+from fastrun.runner.sampling import Sampler, SamplingParams
+from fastrun.runner.speculative import (
+    Acceptance,
+    Draft,
+    NgramIndex,
+    PassCosts,
+    SpeculativeSettings,
+    check_draft,
+    plan_drafts,
+)
+
+REPEATING = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]  # lookup finds matches
+
+
+@pytest.fixture(scope="module")
+def draft_model(tmp_path_factory):
+    """Another tiny model of the same vocabulary: its drafts are often wrong."""
+    return write_tiny_model(tmp_path_factory.mktemp("draft") / "draft.gguf", seed=5, n_layer=1)
+
+
+def _settings(i: int) -> dict:
+    kinds = [dict(), dict(repeat_penalty=1.3), dict(frequency_penalty=0.4, presence_penalty=0.2)]
+    return dict(max_tokens=30, temperature=0, ignore_eos=i % 2 == 0, **kinds[i % len(kinds)])
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "self", "other", "both"])
+def test_greedy_speculation_equals_plain_decoding_in_mixed_batches(
+    tiny_model, draft_model, drafter
+):
+    """Six sequences joining at once, batch_size 24: decode tokens, drafts and prefill chunks
+    share passes; penalties read the history of accepted drafts."""
+    rng = np.random.default_rng(0)
+    prompts = [REPEATING[: rng.integers(3, 17)] + rng.integers(0, 296, 20).tolist()]
+    prompts += [rng.integers(0, 296, rng.integers(2, 40)).tolist() for _ in range(5)]
+    kind = {"plain": {}, "lookup": dict(lookup=True), "self": dict(draft=tiny_model),
+            "other": dict(draft=draft_model),
+            "both": dict(draft=draft_model, lookup=True)}  # fmt: skip
+    got = {}
+    for name in ("plain", drafter):
+        m = Model(tiny_model, backend="cpu", n_ctx=128, parallel=6, batch_size=24, **kind[name])
+        streams = [m.generate(p, **_settings(i)) for i, p in enumerate(prompts)]
+        got[name] = []
+        for s in streams:
+            for _ in s:
+                pass
+            got[name].append(s.completion.tokens)
+        stats = m.stats().get("speculative")
+        m.close()
+    assert got[drafter] == got["plain"]
+    assert stats["rounds"] > 0 and stats["drafted_tokens"] > 0
+    if drafter == "self":  # a model drafting for itself is always right
+        assert stats["acceptance_rate"] == 1.0
+
+
+def test_greedy_speculation_past_the_context_and_with_stops(tiny_model, draft_model):
+    """Context shifts (the draft's cells shift too), max_tokens and stop strings cut a run of
+    accepted tokens where plain decoding stops."""
+    for kind in (dict(lookup=True), dict(draft=draft_model)):
+        for settings in (dict(max_tokens=90, ignore_eos=True), dict(max_tokens=17)):
+            plain = Model(tiny_model, backend="cpu", n_ctx=32, parallel=1)
+            expect = plain.complete([5, 6, 7], temperature=0, **settings)
+            m = Model(tiny_model, backend="cpu", n_ctx=32, parallel=1, **kind)
+            done = m.complete([5, 6, 7], temperature=0, **settings)
+            assert done.tokens == expect.tokens and done.finish_reason == expect.finish_reason
+            assert done.context_shifts == expect.context_shifts
+            stop = expect.text[5:7]
+            if stop:
+                a = plain.complete([5, 6, 7], temperature=0, stop=stop, **settings)
+                b = m.complete([5, 6, 7], temperature=0, stop=stop, **settings)
+                assert (a.text, a.finish_reason) == (b.text, b.finish_reason)
+
+
+def _distributions(path, context, params):
+    """The sampler's final distribution after `context` and after context + [x] for each x in
+    its support: (p0, {x: p1(.|x)})."""
+    with GGUFFile(str(path)) as f:
+        tf = model_class(f.architecture)(f, get_backend("cpu"))
+        sampler = Sampler(params)
+        cache = tf.new_cache(64)
+        p0 = sampler.distribution(tf.forward(context, cache)[0], context)
+        after = {}
+        for x in p0[0]:
+            cache.trim(len(context))
+            after[int(x)] = sampler.distribution(tf.forward([int(x)], cache)[0], [*context, x])
+        return p0, after
+
+
+def _dense(dist, n=300):
+    out = np.zeros(n)
+    out[dist[0]] = dist[1]
+    return out
+
+
+def test_rejection_sampling_keeps_the_target_distribution(tiny_model):
+    """Drafts of two tokens from the draft model's distribution q, checked against the target's
+    p: the first two tokens kept (with a plain draw after an early rejection) must be
+    distributed as p0(a) p1(b | a), by a chi-square test over the cells."""
+    params = SamplingParams(temperature=1.5, top_k=4, top_p=1.0, min_p=0.0)
+    context = [5, 6, 7, 8]
+    p0, p1 = _distributions(tiny_model, context, params)
+    # the draft: the same weights sampled colder and wider, a q that overlaps p but is not p
+    q0, q1 = _distributions(tiny_model, context, SamplingParams(0.7, top_k=6, top_p=1.0, min_p=0))
+    target = {
+        (int(a), int(b)): pa * pb
+        for a, pa in zip(*p0, strict=True)
+        for b, pb in zip(*p1[int(a)], strict=True)
+    }
+    rng = np.random.default_rng(11)
+    sampler = SimpleNamespace(rng=rng)
+    counts: dict = {}
+    n = 8000
+    accepted = 0
+    for _ in range(n):
+        x1 = int(q0[0][rng.choice(len(q0[0]), p=q0[1])])
+        x2 = int(q1[x1][0][rng.choice(len(q1[x1][0]), p=q1[x1][1])])
+        draft = Draft("draft", [x1, x2], [q0, q1[x1]])
+
+        def target_dist(j, x1=x1):  # p1 is asked for only after x1 is accepted: p0 draws it
+            return p0 if j == 0 else p1[x1]
+
+        kept, n_accepted = check_draft(draft, target_dist, sampler)
+        accepted += n_accepted
+        if len(kept) < 2:
+            a = kept[0]
+            kept.append(int(p1[a][0][rng.choice(len(p1[a][0]), p=p1[a][1])]))
+        key = (kept[0], kept[1])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(target)
+    cells = sorted(target)
+    observed = np.array([counts.get(c, 0) for c in cells])
+    expected = np.array([target[c] for c in cells]) * n
+    assert 0 < accepted < 2 * n  # the pair disagrees sometimes, agrees sometimes
+    chi2, dof = float(((observed - expected) ** 2 / expected).sum()), len(cells) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)  # six sd above chi-square's mean
+
+
+def test_lookup_point_mass_and_greedy_checks():
+    """Lookup's q is a point mass: accept with p(x), else draw from p without x. Greedy: the
+    argmax, with no random number drawn."""
+    p = (np.array([3, 1, 2]), np.array([0.5, 0.3, 0.2]))
+    rng = np.random.default_rng(0)
+    sampler = SimpleNamespace(rng=rng)
+    kept = [check_draft(Draft("lookup1", [1]), lambda j: p, sampler)[0][0] for _ in range(20000)]
+    freq = np.bincount(kept, minlength=4)[1:] / len(kept)
+    np.testing.assert_allclose(freq, [0.3, 0.2, 0.5], atol=0.02)
+    greedy = (np.array([7]), np.ones(1))
+    silent = SimpleNamespace(rng=None)  # any draw would fail
+    assert check_draft(Draft("lookup2", [7, 7]), lambda j: greedy, silent) == ([7, 7, 7], 2)
+    four = (np.array([4]), np.ones(1))
+    assert check_draft(Draft("draft", [7, 4], [greedy, four]), lambda j: greedy, silent) == (
+        [7, 7],
+        1,
+    )
+
+
+def test_plans_follow_costs_and_acceptance():
+    flat, linear = PassCosts(), PassCosts()
+    for n in range(1, 41):
+        for _ in range(3):
+            flat.record(n, 0.010 + 0.0002 * n)  # a GPU: a pass of 16 costs little more
+            linear.record(n, 0.010 * n)  # a pass per token: checking never pays
+    assert plan_drafts([(0.7, 15, False)], 1, flat, None)[0] >= 6
+    assert plan_drafts([(0.7, 15, False)], 1, linear, None) == [0]
+    assert plan_drafts([(0.05, 15, False)], 1, flat, None)[0] <= 1
+    drafting = PassCosts()
+    for _ in range(3):
+        drafting.record(1, 0.010)  # a draft pass as slow as the target's: never pays
+    assert plan_drafts([(0.9, 15, True)], 1, flat, drafting) == [0]
+    assert plan_drafts([(0.9, 15, False)], 1, flat, drafting)[0] > 3  # lookup's, beside it
+    cheap = PassCosts()
+    for _ in range(3):
+        cheap.record(1, 0.001)
+    assert 3 <= plan_drafts([(0.8, 15, True)], 1, flat, cheap)[0] <= 15
+    # two sequences: the likelier one drafts more
+    a, b = plan_drafts([(0.9, 15, False), (0.4, 15, False)], 2, flat, None)
+    assert a > b
+    assert plan_drafts([(0.9, 8, False)], 1, PassCosts(), None) == [0]  # nothing measured yet
+
+
+def test_pass_costs_estimates_of_sizes_not_measured():
+    costs = PassCosts()
+    costs.record(1, 9.0)  # warm-up: not measured
+    assert costs.estimate(1) is None
+    costs.record(1, 1.0)
+    costs.record(9, 0.0)
+    costs.record(9, 3.0)
+    assert costs.estimate(1) == 1.0 and costs.estimate(9) == 3.0
+    assert costs.estimate(5) == pytest.approx(max(1.0, 3.0 * 5 / 9))
+    assert costs.estimate(20) == 3.0  # no less than a smaller pass: tried once, then known
+
+
+def test_acceptance_rate_forgets_and_drifts_back():
+    a = Acceptance()
+    assert a.rate(0.5) == 0.5
+    for _ in range(20):
+        a.record(drafted=4, accepted=4)
+    assert a.rate(0.5) > 0.9
+    for _ in range(200):
+        a.decline()
+    assert abs(a.rate(0.5) - 0.5) < 0.05
+
+
+def test_ngram_index_proposes_what_followed_the_latest_match():
+    index = NgramIndex()
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    index.extend([2, 3])
+    assert index.propose(3) == (2, [5, 6, 2])  # the latest "2 3"; past the end: repeats
+    index.extend([7])
+    assert index.propose(4) == (0, [])
+    periodic = NgramIndex()
+    periodic.extend([8, 8, 8])
+    assert periodic.propose(5) == (2, [8, 8, 8, 8, 8])
+
+
+def test_settings_and_vocabularies_are_checked(tiny_model, smollm2_path):
+    with pytest.raises(FastrunError, match="--draft-min"):
+        SpeculativeSettings(draft_max=4, draft_min=5)
+    with pytest.raises(FastrunError, match="vocabulary") as error:
+        Model(tiny_model, backend="cpu", n_ctx=64, draft=smollm2_path)
+    assert "\n" not in str(error.value)
+    with pytest.raises(FastrunError, match="no draft"):
+        Model(tiny_model, backend="cpu", n_ctx=64, draft="auto")
+    from fastrun.runner.registry import paired_draft
+
+    assert paired_draft("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+
+
+def test_cli_json_timings_report_drafts(tiny_model):
+    r = subprocess.run(
+        [sys.executable, "-m", "fastrun.runner.cli", "run", str(tiny_model), "abcabcabcabc",
+         "-n", "40", "--temp", "0", "--ignore-eos", "--json", "--backend", "cpu", "--lookup"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    timings = json.loads(r.stdout)["timings"]
+    assert timings["drafted_tokens"] > 0 and 0 <= timings["acceptance_rate"] <= 1
+    assert timings["mean_accepted_length"] == pytest.approx(
+        timings["accepted_tokens"] / timings["draft_rounds"], abs=1e-3
+    )
+
+
+CODE_EDIT = """Add type hints to this function and return it whole:
+
+def mean_of(values, skip_none):
+    total = 0
+    count = 0
+    for value in values:
+        if value is None and skip_none:
+            continue
+        total += value
+        count += 1
+    return total / count
+"""
+
+
+def test_smollm2_greedy_speculation_equals_plain(smollm2_path):
+    """A real model: prompt lookup, and the model drafting for itself."""
+    messages = [{"role": "user", "content": CODE_EDIT}]
+    plain = Model(smollm2_path, backend="cpu", n_ctx=512, parallel=1, threads=1)
+    expect = plain.complete(plain.chat_prompt(messages), max_tokens=48, temperature=0).tokens
+    for kind in (dict(lookup=True), dict(draft=smollm2_path)):
+        m = Model(smollm2_path, backend="cpu", n_ctx=512, parallel=1, threads=1, **kind)
+        done = m.complete(m.chat_prompt(messages), max_tokens=48, temperature=0)
+        assert done.tokens == expect, kind
+        assert done.drafted_tokens > 0
+        m.close()
+
+
+# -- CUDA (skipped without CuPy and a GPU; run on the GPU machine) ------------------------------
+
+
+def _cuda():
+    from fastrun.backends.cuda import cuda_available
+
+    if not cuda_available():
+        pytest.skip("no CUDA GPU")
+
+
+@pytest.mark.gpu
+def test_cuda_checking_pass_is_a_captured_step_equal_to_an_eager_one(tiny_model):
+    """A pass of a sequence's last token and 8 drafts beside another sequence's decode token
+    replays a CUDA graph, with the logits of an eager run."""
+    _cuda()
+    from fastrun.runner.batch import Batch
+
+    with GGUFFile(str(tiny_model)) as f:
+        tf = model_class(f.architecture)(f, get_backend("cuda"))
+        cells = tf.new_cells(2, 64)
+        a, b = cells.sequences
+        tf.forward([5, 6, 7, 8], a)
+        tf.forward([9, 10], b)
+        outs = []
+        for capture in (True, True, False):  # capture, replay, eager
+            a.trim(4), b.trim(2)
+            batch = Batch()
+            batch.add(a, [11, 12, 13, 14, 15, 16, 17, 18, 19], "all")
+            batch.add(b, [20])
+            assert batch.is_decode
+            outs.append(tf.run(batch, cells, capture=capture))
+        assert any(key[0] == id(cells) for key in tf.backend._graphs)
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_allclose(outs[1], outs[2], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["lookup", "draft"])
+def test_cuda_greedy_speculation_equals_plain(tiny_model, draft_model, smollm2_path, kind):
+    _cuda()
+    prompts = [REPEATING, [7, 8, 9]]
+    for path, draft in ((tiny_model, draft_model), (smollm2_path, smollm2_path)):
+        plain = Model(path, backend="cuda", n_ctx=256, parallel=2)
+        expect = [c.tokens for c in plain.generate_batch(prompts, **LONG_GREEDY)]
+        plain.close()
+        extra = dict(lookup=True) if kind == "lookup" else dict(draft=draft)
+        m = Model(path, backend="cuda", n_ctx=256, parallel=2, **extra)
+        got = m.generate_batch(prompts, **LONG_GREEDY)
+        m.close()
+        assert [c.tokens for c in got] == expect
+        assert sum(c.drafted_tokens for c in got) > 0
+
+
+LONG_GREEDY = dict(max_tokens=120, temperature=0, ignore_eos=True)
