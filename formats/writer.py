@@ -66,6 +66,11 @@ class TensorSpec:
         return rows * self.format.row_bytes(self.shape[0])
 
 
+def array_value(item_type: int, items) -> MetadataValue:
+    """An array of `item_type` values (an id such as STRING or INT32)."""
+    return MetadataValue(ARRAY, list(items), item_type)
+
+
 def metadata_of(gguf: GGUFFile) -> dict[str, MetadataValue]:
     """A file's metadata with the value types it was stored with, in file order."""
     raw = gguf.raw_bytes
