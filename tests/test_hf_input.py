@@ -62,16 +62,18 @@ def test_same_file_as_convert_hf_to_gguf(model, outtype, tmp_path):
         assert ours["metadata"][key] == value, key
 
 
-def test_output_loads_and_runs(tmp_path):
-    from fastrun.runner.models import model_class  # noqa: F401  (the runtime reads the file)
-    from fastrun.runner.tokenizer import Tokenizer
+@pytest.mark.parametrize("model", MODELS)
+def test_output_loads_and_runs(model, tmp_path):
+    import fastrun
 
     out = tmp_path / "q.gguf"
-    quantize_model(FIXTURES / "tiny-qwen2", out, "Q4_0")
-    with GGUFFile(out) as f:
-        tok = Tokenizer.from_gguf(f)
-        ids = tok.encode("the Program, you")
-        assert tok.decode(ids) == "the Program, you"
+    quantize_model(FIXTURES / model, out, "Q8_0")
+    llm = fastrun.load(str(out), n_ctx=64, threads=1)
+    ids = llm.tokenize("the Program, you")
+    assert llm.detokenize(ids) == "the Program, you"
+    assert np.isfinite(llm.logprobs(ids)).all()
+    reply = "".join(llm.chat([{"role": "user", "content": "hi"}], temperature=0, max_tokens=3))
+    assert isinstance(reply, str)
 
 
 def test_rotary_row_order():
