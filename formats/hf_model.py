@@ -30,7 +30,8 @@ from fastrun.formats.gguf import TensorInfo
 from fastrun.formats.hf_tokenizer import HFTokenizer, load_json
 from fastrun.formats.safetensors_folder import SafetensorsFolder
 from fastrun.formats.writer import FLOAT32, INT32, STRING, UINT32, MetadataValue
-from fastrun.quant.formats import block_format, float_values
+from fastrun.quant.float_types import float_values
+from fastrun.quant.formats import block_format
 
 # config.json "architectures" -> GGUF architecture, for those fastrun runs.
 ARCHITECTURES = {

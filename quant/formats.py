@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from fastrun.formats.errors import GGUFError
 
 QK_K = 256  # super-block size of the K-quants
@@ -62,18 +60,3 @@ def block_format(qtype: str | int) -> BlockFormat:
         raise GGUFError(f"unsupported tensor type {qtype!r}")
     return fmt
 
-
-def float_values(raw: np.ndarray, name: str, widen: bool = True) -> np.ndarray:
-    """Raw bytes of an F32, F16 or BF16 tensor as a flat array of its values, widened to
-    float32 when `widen` (exact for all three: F16 through the CPU's F16C instructions, BF16
-    being the high half of a float32); without `widen` F16 and BF16 stay 16-bit."""
-    flat = raw.reshape(-1)
-    if name == "F32":
-        return flat.view("<f4")
-    if name == "F16":
-        values = flat.view("<f2")
-        return values.astype(np.float32) if widen else values
-    if name == "BF16":
-        values = flat.view("<u2")
-        return (values.astype(np.uint32) << 16).view(np.float32) if widen else values
-    raise GGUFError(f"{name} is not a float type")
