@@ -30,7 +30,6 @@ def float_values(raw: np.ndarray, name: str, widen: bool = True) -> np.ndarray:
     raise ValueError(f"{name} is not a float type")
 
 
-
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (ggml's conversion)."""
     u = x.view(np.uint32)

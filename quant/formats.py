@@ -59,4 +59,3 @@ def block_format(qtype: str | int) -> BlockFormat:
     if fmt is None:
         raise GGUFError(f"unsupported tensor type {qtype!r}")
     return fmt
-
