@@ -37,6 +37,16 @@ FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 TRAINING_TEXT = Path("/usr/share/common-licenses/GPL-3")
 OUTTYPES = ["f32", "f16", "bf16", "q8_0"]
 VOCAB = 384
+# Both models: 2 layers, 4 heads of 16 sharing 2 key/value heads, every row a whole number of
+# 32-blocks (Q8_0 needs that); small enough that the fixtures stay well under 1 MB.
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp) as tokenizer.json spells them.
 LLAMA3_REGEX = (
@@ -96,12 +106,7 @@ def build_llama(folder: Path) -> None:
     fast.chat_template = LLAMA_TEMPLATE
     fast.save_pretrained(folder)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SHAPE,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
@@ -130,12 +135,7 @@ def build_qwen2(folder: Path) -> None:
     fast.chat_template = QWEN2_TEMPLATE
     fast.save_pretrained(folder)
     config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SHAPE,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
