@@ -93,64 +93,78 @@ def train_tokenizer(regex: str, specials: list[str]):
     return tok
 
 
-def build_llama(folder: Path) -> None:
+# What differs between the two models; PRE_NAMES says what their regexes are.
+MODELS = {
+    "tiny-llama": dict(
+        classes=("LlamaConfig", "LlamaForCausalLM"),
+        regex=LLAMA3_REGEX,
+        specials=[
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ],
+        tokenizer=dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"),
+        template=LLAMA_TEMPLATE,
+        config=dict(
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        ),
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        seed=18,
+        dtype="bfloat16",  # as Llama checkpoints ship
+        random_biases=False,
+    ),
+    "tiny-qwen2": dict(
+        classes=("Qwen2Config", "Qwen2ForCausalLM"),
+        regex=QWEN2_REGEX,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        tokenizer=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", errors="replace"),
+        template=QWEN2_TEMPLATE,
+        config=dict(
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+        bos="<|endoftext|>",
+        eos="<|im_end|>",
+        seed=2,
+        dtype="float16",  # the other common checkpoint type
+        random_biases=True,  # q/k/v biases start at zero; random ones test their row order
+    ),
+}
+
+
+def build(folder: Path, spec: dict) -> None:
+    """What save_pretrained writes for a tokenizer and a random-weight model of `spec`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import transformers
 
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"]
-    specials += ["<|end_header_id|>", "<|eot_id|>"]
-    tok = train_tokenizer(LLAMA3_REGEX, specials)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
-    )
-    fast.chat_template = LLAMA_TEMPLATE
+    tok = train_tokenizer(spec["regex"], spec["specials"])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **spec["tokenizer"])
+    fast.chat_template = spec["template"]
     fast.save_pretrained(folder)
-    config = LlamaConfig(
+    config_class, model_class = (getattr(transformers, name) for name in spec["classes"])
+    config = config_class(
         **SHAPE,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        bos_token_id=tok.token_to_id("<|begin_of_text|>"),
-        eos_token_id=tok.token_to_id("<|eot_id|>"),
+        **spec["config"],
+        bos_token_id=tok.token_to_id(spec["bos"]),
+        eos_token_id=tok.token_to_id(spec["eos"]),
     )
-    torch.manual_seed(18)
-    model = LlamaForCausalLM(config)
+    torch.manual_seed(spec["seed"])
+    model = model_class(config)
     _randomize_norms(model)
-    model.to(torch.bfloat16).save_pretrained(folder)  # bf16, as Llama checkpoints ship
-
-
-def build_qwen2(folder: Path) -> None:
-    import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = train_tokenizer(QWEN2_REGEX, specials)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        errors="replace",
-    )
-    fast.chat_template = QWEN2_TEMPLATE
-    fast.save_pretrained(folder)
-    config = Qwen2Config(
-        **SHAPE,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-        bos_token_id=tok.token_to_id("<|endoftext|>"),
-        eos_token_id=tok.token_to_id("<|im_end|>"),
-    )
-    torch.manual_seed(2)
-    model = Qwen2ForCausalLM(config)
-    _randomize_norms(model)
-    with torch.no_grad():  # q/k/v biases start at zero; random ones test their permutation
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.1)
-    model.to(torch.float16).save_pretrained(folder)  # f16, the other common checkpoint type
+    if spec["random_biases"]:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.1)
+    model.to(getattr(torch, spec["dtype"])).save_pretrained(folder)
 
 
 def _randomize_norms(model) -> None:
@@ -213,11 +227,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--convert", type=Path, required=True, help="convert_hf_to_gguf.py")
     args = parser.parse_args()
-    for name, build in (("tiny-llama", build_llama), ("tiny-qwen2", build_qwen2)):
+    for name, spec in MODELS.items():
         folder = FIXTURES / name
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        build(folder)
+        build(folder, spec)
         reference = {"pre_tokenizer_named_by_script": PRE_NAMES[name], "outputs": {}}
         with tempfile.TemporaryDirectory() as tmp:
             for outtype in OUTTYPES:
