@@ -7,13 +7,14 @@ fastrun never depends on. Make a separate venv once:
     python3 -m venv /work/wt/quant-hf-venv
     /work/wt/quant-hf-venv/bin/pip install torch==2.13.0 transformers safetensors sentencepiece
     /work/wt/quant-hf-venv/bin/python scripts/make_hf_fixtures.py \
-        --convert .../llama.cpp/convert_hf_to_gguf.py
+        --convert .../llama.cpp/convert_hf_to_gguf.py --llama-quantize .../bin/llama-quantize
 
 For each architecture it writes, under tests/fixtures/hf/<name>/, what `save_pretrained` writes
 (config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json)
 for a 2-layer model with a 384-token byte-level BPE trained on the GPL-3 text, and reference.json:
 for each --outtype (f32, f16, bf16, q8_0) the tensors the converter wrote (name, type, shape,
-sha256 of the bytes) and the metadata (key -> [GGUF value type, value]). tests/test_hf_input.py
+sha256 of the bytes) and the metadata (key -> [GGUF value type, value]), and llama-quantize's
+Q4_K_M of the F16 one (what `fastrun quantize DIR --type Q4_K_M` stands for). tests/test_hf_input.py
 compares fastrun's conversions against that without torch.
 
 The converter recognises a BPE pre-tokenizer by hashing how it splits a fixed text, so a
@@ -226,6 +227,12 @@ def summarize(path: Path, converter: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--convert", type=Path, required=True, help="convert_hf_to_gguf.py")
+    parser.add_argument(
+        "--llama-quantize",
+        type=Path,
+        help="llama-quantize: also record its Q4_K_M of the converter's F16 (rows of 64 take "
+        "the fallbacks of rows that are not whole 256-blocks)",
+    )
     args = parser.parse_args()
     for name, spec in MODELS.items():
         folder = FIXTURES / name
@@ -238,6 +245,14 @@ def main() -> None:
                 out = Path(tmp) / f"{outtype}.gguf"
                 convert(args.convert, folder, outtype, out, PRE_NAMES[name])
                 reference["outputs"][outtype.upper()] = summarize(out, args.convert)
+            if args.llama_quantize is not None:
+                out = Path(tmp) / "q4_k_m.gguf"
+                subprocess.run(
+                    [str(args.llama_quantize), str(Path(tmp) / "f16.gguf"), str(out), "Q4_K_M"],
+                    check=True,
+                    capture_output=True,
+                )
+                reference["outputs"]["Q4_K_M"] = summarize(out, args.convert)
         (folder / "reference.json").write_text(json.dumps(reference, indent=1) + "\n")
         size = sum(p.stat().st_size for p in folder.iterdir())
         print(f"{folder.relative_to(ROOT)}: {size / 1024:.0f} KiB")

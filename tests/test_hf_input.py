@@ -2,8 +2,9 @@
 
 tests/fixtures/hf holds tiny random-weight models saved by transformers (llama in bf16, qwen2
 in f16 with tied embeddings and q/k/v biases) and what the converter wrote for each --outtype
-(reference.json, made by scripts/make_hf_fixtures.py): the same tensors, types, bytes and
-metadata are expected, without torch or transformers here.
+(reference.json, made by scripts/make_hf_fixtures.py), and llama-quantize's Q4_K_M of the
+converter's F16: the same tensors, types, bytes and metadata are expected, without torch or
+transformers here.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _summary(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("outtype", ["F32", "F16", "BF16", "Q8_0"])
+@pytest.mark.parametrize("outtype", ["F32", "F16", "BF16", "Q8_0", "Q4_K_M"])
 def test_same_file_as_convert_hf_to_gguf(model, outtype, tmp_path):
     reference = json.loads((FIXTURES / model / "reference.json").read_text())
     expected = reference["outputs"][outtype]
