@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,20 +100,58 @@ class _Cursor:
 _U64 = struct.Struct("<Q")
 
 
-def _read_strings(cur: _Cursor, n: int, key: str) -> list[str]:
-    """A string array: the hot loop of opening a file with a large vocabulary."""
+def _walk_strings(cur: _Cursor, n: int, key: str, decode: bool) -> list[str] | None:
+    """Steps over a string array, checking every length against the file; with `decode`, the
+    strings too. The hot loop of opening a file with a large vocabulary."""
     buf, pos, size, unpack = cur.buf, cur.pos, cur.size, _U64.unpack_from
-    out = [""] * n
+    out = [""] * n if decode else None
     for k in range(n):
         if pos + 8 > size:
             raise GGUFError(f"truncated file: array {key} at byte {pos} runs past the end")
         end = pos + 8 + unpack(buf, pos)[0]
         if end > size:
             raise GGUFError(f"truncated file: array {key} at byte {pos} runs past the end")
-        out[k] = buf[pos + 8 : end].decode("utf-8", "replace")
+        if decode:
+            out[k] = buf[pos + 8 : end].decode("utf-8", "replace")
         pos = end
     cur.pos = pos
     return out
+
+
+class _Metadata(Mapping):
+    """The metadata pairs in file order. A top-level string array (a vocabulary's 49k-150k
+    tokens, its merges) is checked at open but decoded on its first read: a quantize run copies
+    it raw and never reads it, and decoding is most of what opening such a file costs."""
+
+    def __init__(self, gguf: GGUFFile):
+        self._gguf = gguf
+        self._values: dict[str, object] = {}
+        self._undecoded: dict[str, tuple[int, int, str]] = {}  # key -> (position, count, label)
+
+    def __getitem__(self, key: str):
+        if key in self._undecoded:
+            pos, n, label = self._undecoded[key]
+            mm = self._gguf.raw_bytes
+            if mm is None:
+                raise GGUFError(f"{os.path.basename(self._gguf.path)} is closed")
+            cur = _Cursor(mm, self._gguf.size)
+            cur.pos = pos
+            self._values[key] = _walk_strings(cur, n, label, decode=True)
+            del self._undecoded[key]
+        return self._values[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._values
+
+    def decoded(self, key: str):
+        """The value without decoding it: None for a string array not read yet."""
+        return None if key in self._undecoded else self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 class GGUFFile:
@@ -163,7 +202,7 @@ class GGUFFile:
         if n_kv * 12 > self.size or n_tensors * 28 > self.size:
             raise GGUFError(f"absurd counts: {n_tensors} tensors, {n_kv} metadata pairs")
 
-        self.metadata: dict[str, object] = {}
+        self.metadata = _Metadata(self)
         # key -> (value type, item type of an array or None, byte span of the value): what a
         # writer needs to copy a value exactly
         self.metadata_types: dict[str, tuple[int, int | None, tuple[int, int]]] = {}
@@ -180,7 +219,11 @@ class GGUFFile:
                 cur.need(4, f"item type of {label}")
                 (item_type,) = struct.unpack_from("<I", self._mm, cur.pos)
             start = cur.pos
-            self.metadata[key] = self._value(cur, vtype, label)
+            if vtype == ARRAY_TYPE and item_type == STRING_TYPE:
+                self.metadata._undecoded[key] = (start + 12, self._string_count(cur, label), label)
+                self.metadata._values[key] = None  # a placeholder, keeping the file order
+            else:
+                self.metadata._values[key] = self._value(cur, vtype, label)
             self.metadata_types[key] = (vtype, item_type, (start, cur.pos))
 
         alignment = self.metadata.get(keys.ALIGNMENT, DEFAULT_ALIGNMENT)
@@ -232,6 +275,14 @@ class GGUFFile:
                 )
             self.tensors[name] = TensorInfo(name, fmt, shape, start, n_bytes)
 
+    def _string_count(self, cur: _Cursor, key: str) -> int:
+        """Steps over a string array's header and strings, checked but not decoded; its length."""
+        cur.scalar("I", f"item type of {key}")
+        n = cur.scalar("Q", f"length of {key}")
+        cur.need(n * 8, f"array {key} of {n} strings")  # each string has an 8-byte length
+        _walk_strings(cur, n, key, decode=False)
+        return n
+
     def _value(self, cur: _Cursor, vtype: int, key: str, depth: int = 0):
         if vtype in SCALAR_TYPES:
             return cur.scalar(SCALAR_TYPES[vtype][0], key)
@@ -249,7 +300,7 @@ class GGUFFile:
             return arr
         if itype == STRING_TYPE:
             cur.need(n * 8, f"array {key} of {n} strings")  # each string has an 8-byte length
-            return _read_strings(cur, n, key)
+            return _walk_strings(cur, n, key, decode=True)
         if itype == ARRAY_TYPE:
             if depth >= MAX_NESTING:
                 raise GGUFError(f"metadata {key}: arrays nested more than {MAX_NESTING} deep")

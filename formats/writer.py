@@ -42,7 +42,8 @@ class MetadataValue:
     """A typed metadata value: GGUF value type, the value, and the item type of an array.
 
     `raw`, when set, is the value's encoding as read from a file: copied as is, so a value
-    the reader decoded lossily (invalid UTF-8, nested arrays) survives a copy unchanged."""
+    the reader decoded lossily (invalid UTF-8, nested arrays) survives a copy unchanged; then
+    `value` may be None (metadata_of)."""
 
     type: int
     value: object
@@ -66,11 +67,18 @@ class TensorSpec:
         return rows * self.format.row_bytes(self.shape[0])
 
 
+def array_value(item_type: int, items) -> MetadataValue:
+    """An array of `item_type` values (an id such as STRING or INT32)."""
+    return MetadataValue(ARRAY, list(items), item_type)
+
+
 def metadata_of(gguf: GGUFFile) -> dict[str, MetadataValue]:
-    """A file's metadata with the value types it was stored with, in file order."""
+    """A file's metadata with the value types it was stored with, in file order. A string
+    array the reader has not decoded (a vocabulary, untouched by a quantize run) has value
+    None: it is copied raw, and decoding it is most of what opening the file costs."""
     raw = gguf.raw_bytes
     return {
-        key: MetadataValue(vtype, gguf.metadata[key], item_type, raw[start:end])
+        key: MetadataValue(vtype, gguf.metadata.decoded(key), item_type, raw[start:end])
         for key, (vtype, item_type, (start, end)) in gguf.metadata_types.items()
     }
 

@@ -1,4 +1,5 @@
-"""The `fastrun quantize` pipeline: one GGUF in, another out, tensor by tensor.
+"""The `fastrun quantize` pipeline: one GGUF (or Hugging Face folder) in, a GGUF out, tensor
+by tensor.
 
 Each tensor is read from the input's memory map in slabs of rows, converted to float32,
 quantized to the type its recipe picks, and streamed to the writer; at most one slab of floats
@@ -20,11 +21,11 @@ from fastrun.formats import keys
 from fastrun.formats.errors import FastrunError
 from fastrun.formats.gguf import GGUFFile, TensorInfo
 from fastrun.formats.writer import UINT32, GGUFWriter, MetadataValue, TensorSpec, metadata_of
+from fastrun.quant.float_types import FLOAT_TYPES, float_rows, float_values
 from fastrun.quant.recipes import FileType, TypeChooser, file_type, llama_order
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of this generation
 SLAB_VALUES = 1 << 20  # floats per unit of work (4 MiB): fine enough to spread over threads
-_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass
@@ -52,9 +53,19 @@ class TensorJob:
         return self.source.format.id != self.target.format.id
 
 
-def plan(src: GGUFFile, ftype: FileType) -> list[TensorJob]:
-    """Each tensor of src with the type it gets, in llama-quantize's order."""
-    names = llama_order(src.tensors)
+def open_source(path: str | os.PathLike):
+    """The input: a GGUF file, or a Hugging Face folder read as the GGUF that llama.cpp's
+    convert_hf_to_gguf.py would make of it (formats/hf_model.py)."""
+    from fastrun.formats.hf_model import HFModel, is_hf_folder
+
+    return HFModel(path) if is_hf_folder(path) else GGUFFile(path)
+
+
+def plan(src, ftype: FileType) -> list[TensorJob]:
+    """Each tensor of src (a GGUFFile or HFModel) with the type it gets, in the order
+    llama.cpp's tools write them: llama-quantize's, or for a Hugging Face folder and a type the
+    converter writes itself, the converter's."""
+    names = llama_order(src.tensors)  # the mixes' layer counters count in this order
     arch = src.architecture
     n_layer = int(src.get(keys.BLOCK_COUNT, 0) or 0)
     n_head = src.get(keys.HEAD_COUNT)
@@ -72,13 +83,16 @@ def plan(src: GGUFFile, ftype: FileType) -> list[TensorJob]:
         info = src.tensors[name]
         fmt = chooser.choose(name, info.shape, info.format)
         jobs.append(TensorJob(info, TensorSpec(name, info.shape, fmt)))
+    if ftype.name in getattr(src, "direct_file_types", ()):
+        position = {name: i for i, name in enumerate(src.tensors)}
+        jobs.sort(key=lambda job: position[job.source.name])
     return jobs
 
 
-def output_metadata(src: GGUFFile, ftype: FileType) -> dict[str, MetadataValue]:
+def output_metadata(src, ftype: FileType) -> dict[str, MetadataValue]:
     """The input's metadata with file type and quantization version set (appended last, as
     llama-quantize does) and the split keys of a multi-part input dropped."""
-    meta = metadata_of(src)
+    meta = metadata_of(src) if isinstance(src, GGUFFile) else src.metadata_values()
     for key in (*keys.SPLIT_KEYS, keys.QUANTIZATION_VERSION, keys.FILE_TYPE):
         meta.pop(key, None)
     meta[keys.QUANTIZATION_VERSION] = MetadataValue(UINT32, QUANTIZATION_VERSION)
@@ -86,40 +100,40 @@ def output_metadata(src: GGUFFile, ftype: FileType) -> dict[str, MetadataValue]:
     return meta
 
 
-def _to_float(raw: np.ndarray, fmt_name: str, n: int) -> np.ndarray:
+_dequantize_lock = threading.Lock()  # quant.fast's dequantizers are parallel Numba kernels
+
+
+def _dequantized(raw: np.ndarray, fmt_name: str, n: int) -> np.ndarray:
     from fastrun.quant.fast import dequantize
 
-    flat = raw.reshape(-1)
-    if fmt_name == "F32":
-        return flat.view("<f4")
-    if fmt_name == "F16":  # NumPy's conversion uses the CPU's F16C instructions
-        return flat.view("<f2").astype(np.float32)
-    if fmt_name == "BF16":
-        return (flat.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    return dequantize(raw, fmt_name, n)
-
-
-_dequantize_lock = threading.Lock()  # quant.fast's dequantizers are parallel Numba kernels
+    with _dequantize_lock:
+        return dequantize(raw, fmt_name, n)
 
 
 def _slab_bytes(job: TensorJob, slab: np.ndarray) -> np.ndarray:
     """One slab of rows of a tensor in its target type (runs on a worker thread)."""
-    from fastrun.quant.fast_quantize import quantize_rows
-
     if not job.converts:
         return slab
-    rows = slab.shape[0]
-    n_cols = job.source.shape[0]
-    source = job.source.format.name
-    if source in _FLOAT_TYPES:
-        x = _to_float(slab, source, rows * n_cols)
+    rows, n_cols = slab.shape[0], job.source.shape[0]
+    source, target = job.source.format.name, job.target.format.name
+    if target in FLOAT_TYPES:  # NumPy alone: no Numba to import, no kernels to load
+        if source in FLOAT_TYPES:
+            x = float_values(slab, source)
+        else:
+            x = _dequantized(slab, source, rows * n_cols)
+        return float_rows(x.reshape(rows, n_cols), target)
+    from fastrun.quant.fast_quantize import quantize_rows, widen_f16
+
+    if source == "F16":
+        x = widen_f16(slab)  # several times faster than NumPy's astype
+    elif source in FLOAT_TYPES:
+        x = float_values(slab, source)
     else:
-        with _dequantize_lock:
-            x = _to_float(slab, source, rows * n_cols)
-    return quantize_rows(x.reshape(rows, n_cols), job.target.format.name)
+        x = _dequantized(slab, source, rows * n_cols)
+    return quantize_rows(x.reshape(rows, n_cols), target)
 
 
-def _slabs(src: GGUFFile, jobs: list[TensorJob]):
+def _slabs(src, jobs: list[TensorJob]):
     """(job, slab of raw rows) for every tensor, in file order."""
     for job in jobs:
         data = src.tensor_bytes(job.source.name)
@@ -129,7 +143,7 @@ def _slabs(src: GGUFFile, jobs: list[TensorJob]):
             yield job, data[r0 : r0 + step]
 
 
-def _convert_all(src: GGUFFile, jobs: list[TensorJob], writer: GGUFWriter, threads: int, advance):
+def _convert_all(src, jobs: list[TensorJob], writer: GGUFWriter, threads: int, advance):
     """Convert slabs on `threads` workers, a bounded window ahead, and write them in order."""
     window: deque = deque()
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -169,11 +183,11 @@ def quantize_model(
         raise FastrunError("the output would overwrite the input; choose another output path")
     start = time.perf_counter()
     result = QuantizeResult()
-    with GGUFFile(src_path) as src:
+    with open_source(src_path) as src:
         jobs = plan(src, ftype)
         for job in jobs:
             name = job.source.format.name
-            if job.converts and name not in _FLOAT_TYPES and not allow_requantize:
+            if job.converts and name not in FLOAT_TYPES and not allow_requantize:
                 raise FastrunError(
                     f"{os.path.basename(src_path)} is already quantized ({job.source.name} is "
                     f"{name}); pass --allow-requantize to convert it anyway"

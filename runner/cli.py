@@ -111,12 +111,33 @@ def info(
 # -- entry point -------------------------------------------------------------------------------
 
 
-def _load_commands() -> None:
-    """Import the modules that add the generation commands (kept out of --version's path)."""
-    import fastrun.runner.commands  # noqa: F401
-    import fastrun.runner.perplexity_command  # noqa: F401
-    import fastrun.runner.quantize_command  # noqa: F401
-    import fastrun.runner.serve_command  # noqa: F401
+# The module that adds each command, so that a run imports only its own (a quantize run never
+# loads the generation commands); help and unknown names import them all.
+_COMMAND_MODULES = {
+    "run": "commands",
+    "chat": "commands",
+    "bench": "commands",
+    "perplexity": "perplexity_command",
+    "quantize": "quantize_command",
+    "serve": "serve_command",
+}
+
+
+def _load_commands(argv: list[str] | None) -> None:
+    """Import the modules that add the commands named on the command line (kept out of
+    --version's path)."""
+    import importlib
+
+    args = sys.argv[1:] if argv is None else argv
+    name = args[0] if args else None
+    if name in _COMMAND_MODULES:
+        modules = [_COMMAND_MODULES[name]]
+    elif name in ("pull", "info", "--version"):
+        modules = []
+    else:
+        modules = sorted(set(_COMMAND_MODULES.values()))
+    for module in modules:
+        importlib.import_module(f"fastrun.runner.{module}")
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, _terminate)
         if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes typed or piped: U+FFFD
             sys.stdin.reconfigure(errors="replace")
-        _load_commands()
+        _load_commands(argv)
         command = typer.main.get_command(app)
         code = command.main(args=argv, prog_name="fastrun", standalone_mode=False)
         if isinstance(code, int):  # typer returns Exit codes (130 on Ctrl-C) in this mode

@@ -83,13 +83,43 @@ def chunk_tokens(tokens: list[int], n_ctx: int, n_chunks: int | None) -> np.ndar
 
 
 def _chunk_logprobs(model, ids: np.ndarray, bos: int | None) -> np.ndarray:
-    """Log-probabilities at the scored positions of one chunk, [n_scored, n_vocab], through
-    the model's public scoring call (it runs on the thread that owns the backend)."""
+    """Log-probabilities at the scored positions of one chunk, [n_scored, n_vocab].
+
+    As llama-perplexity does, only the scored positions get logits: the first half of the
+    chunk is prefilled without the output projection (a fifth of a small model's work per
+    token) and the last token, a target only, is not run at all. Passes are as large as the
+    model prefills (PREFILL_CHUNK tokens) and run on the thread that owns the backend."""
+    from fastrun.runner.batch import Batch
+    from fastrun.runner.models.base import PREFILL_CHUNK
+
     n_ctx = ids.size
-    ids = ids.copy()
+    ids = [int(i) for i in ids]
     if bos is not None:
         ids[0] = bos
-    return np.asarray(model.logprobs(ids)[n_ctx // 2 : n_ctx - 1], np.float32)
+    first, end = n_ctx // 2, n_ctx - 1  # logits at first..end-1 predict tokens first+1..end
+    transformer = model.transformer
+
+    def score():
+        cache = transformer.new_cache(n_ctx)
+        outputs = []
+        try:
+            for start in range(0, end, PREFILL_CHUNK):
+                stop = min(start + PREFILL_CHUNK, end)
+                batch = Batch()
+                if start < first:
+                    batch.add(cache, ids[start : min(stop, first)], "none")
+                if stop > first:
+                    batch.add(cache, ids[max(start, first) : stop], "all")
+                out = transformer.run(batch, cache.cells)
+                if out is not None:
+                    outputs.append(out)
+        finally:
+            cache.free()
+        return np.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+
+    logits = model.engine.call(score)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
 
 def evaluate(

@@ -1,4 +1,5 @@
-"""`fastrun quantize IN OUT --type T`: convert a GGUF file as llama-quantize does."""
+"""`fastrun quantize IN OUT --type T`: convert a GGUF file as llama-quantize does, or a Hugging
+Face folder as convert_hf_to_gguf.py (then llama-quantize) does."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ _MIB = 1024 * 1024
 
 @app.command()
 def quantize(
-    source: Annotated[str, typer.Argument(help="Input GGUF file (F32, F16, BF16 or quantized).")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="Input: a GGUF file (F32, F16, BF16 or quantized) or a Hugging Face folder "
+            "(config.json, *.safetensors, tokenizer.json)."
+        ),
+    ],
     output: Annotated[str, typer.Argument(help="Output GGUF file.")],
     type_name: Annotated[
         str,
@@ -34,16 +41,15 @@ def quantize(
         int | None, typer.Option("-t", "--threads", min=1, help="CPU threads (default: all).")
     ] = None,
 ) -> None:
-    """Quantize a GGUF model; which tensor gets which type follows llama-quantize."""
+    """Quantize a GGUF model or convert a Hugging Face folder; which tensor gets which type
+    follows llama-quantize (and convert_hf_to_gguf.py for F32, F16, BF16 and Q8_0)."""
     from fastrun.quant.recipes import file_type
 
     ftype = file_type(type_name)  # an unknown type fails before any file is touched
     if os.path.isdir(source):
-        raise FastrunError(
-            f"{source} is a folder; fastrun quantize reads GGUF files (convert a Hugging Face "
-            "folder with llama.cpp's convert_hf_to_gguf.py first)"
-        )
-    if not os.path.isfile(source):
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            raise FastrunError(f"{source} is a folder without config.json, not a model folder")
+    elif not os.path.isfile(source):
         raise FastrunError(f"no such file: {source}")
     if os.path.exists(output) and not force:
         raise FastrunError(f"{output} exists; pass --force to overwrite it")

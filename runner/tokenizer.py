@@ -113,11 +113,10 @@ class Tokenizer:
                 if self.types is not None and self.types[i] != keys.TOKEN_CONTROL:
                     self.types = self.types.copy()
                     self.types[i] = keys.TOKEN_CONTROL
+        special_kinds = (keys.TOKEN_CONTROL, keys.TOKEN_USER_DEFINED, keys.TOKEN_UNKNOWN)
+        # np.isin over the whole vocabulary: a Python test per token is tens of ms at start-up
         specials = [
-            i
-            for i in range(n)
-            if self.types[i] in (keys.TOKEN_CONTROL, keys.TOKEN_USER_DEFINED, keys.TOKEN_UNKNOWN)
-            and tokens[i]
+            i for i in np.flatnonzero(np.isin(self.types, special_kinds)).tolist() if tokens[i]
         ]
         specials.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
         self._specials = specials

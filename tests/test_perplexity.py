@@ -35,6 +35,16 @@ def test_scores_the_second_half_of_each_chunk(model):
     assert err == pytest.approx(ppl * np.std(nll) / math.sqrt(len(nll) - 1), rel=1e-3)
 
 
+def test_passes_smaller_than_a_chunk(model, monkeypatch):
+    """A chunk longer than one prefill pass: passes of 20 tokens, one across the half."""
+    from fastrun.runner.models import base
+
+    tokens = model.tokenize(TEXT)
+    whole = evaluate(model, tokens, 64, n_chunks=2).scores.ppl()
+    monkeypatch.setattr(base, "PREFILL_CHUNK", 20)
+    assert evaluate(model, tokens, 64, n_chunks=2).scores.ppl() == pytest.approx(whole, rel=1e-5)
+
+
 def test_too_short_and_whole_chunks_only(model):
     from fastrun.formats.errors import FastrunError
 

@@ -1,0 +1,53 @@
+"""The float tensor types (F32, F16, BF16) to and from float32, with NumPy alone.
+
+A conversion to a float type needs no compiled kernel, so a `fastrun quantize --type F16` run
+(or BF16, F32) never imports Numba or loads cached kernels, which on a small model costs more
+than the conversion itself. Block formats stay with quant/fast_quantize.py: NumPy versions of
+even Q8_0 and Q4_0, byte-identical, measured three times slower than the Numba kernels per
+slab, more than Numba's start costs on a 135M model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def float_values(raw: np.ndarray, name: str, widen: bool = True) -> np.ndarray:
+    """Raw bytes of an F32, F16 or BF16 tensor as a flat array of its values, widened to
+    float32 when `widen` (exact for all three: F16 through the CPU's F16C instructions, BF16
+    being the high half of a float32); without `widen` F16 and BF16 stay 16-bit."""
+    flat = raw.reshape(-1)
+    if name == "F32":
+        return flat.view("<f4")
+    if name == "F16":
+        values = flat.view("<f2")
+        return values.astype(np.float32) if widen else values
+    if name == "BF16":
+        values = flat.view("<u2")
+        return (values.astype(np.uint32) << 16).view(np.float32) if widen else values
+    raise ValueError(f"{name} is not a float type")
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (ggml's conversion)."""
+    u = x.view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
+
+
+def float_rows(x: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 rows [n_rows, n] to raw bytes [n_rows, row_bytes] of one of FLOAT_TYPES."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x.reshape(1, -1)
+    n_rows, n = x.shape
+    if qtype == "F32":
+        return x.view(np.uint8).reshape(n_rows, -1)
+    if qtype == "F16":
+        return x.astype("<f2").view(np.uint8).reshape(n_rows, -1)
+    if qtype == "BF16":
+        return bf16_bits(x).view(np.uint8).reshape(n_rows, -1)
+    raise ValueError(f"{qtype} is not a float type")
