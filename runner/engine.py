@@ -400,6 +400,6 @@ class Engine:
             self._decoding.remove(request)
             self._finish(request, "length")
             return False
-        cache.shift(keep, discard, self.transformer.config.rope)
+        cache.shift(keep, discard, [at.rope for at in self.transformer.block.layers])
         request.completion.context_shifts += 1
         return True
