@@ -152,9 +152,7 @@ class ReferenceBackend(Backend):
         k_cache[slots] = fp16_round(k)
         v_cache[slots] = fp16_round(v)
 
-    def attention(
-        self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0
-    ):
+    def attention(self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0):
         n, h, hd = q.shape
         group = h // k_cache.shape[1]
         qh = fp16_round(q)

@@ -224,9 +224,7 @@ class CPUBackend(Backend):
     def kv_write(self, k_cache, v_cache, k, v, slots):
         ops.kv_store(k_cache, v_cache, k, np.ascontiguousarray(v), np.asarray(slots, np.int32))
 
-    def attention(
-        self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0
-    ):
+    def attention(self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0):
         n, h, hd = q.shape
         out = np.empty((n, h, hd), np.float32)
         positions = np.ascontiguousarray(positions, np.int32)

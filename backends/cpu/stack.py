@@ -112,13 +112,16 @@ def supported(layers, block) -> bool:
     """All matrices in integer-kernel formats and views of one file, Q/K/V and gate/up each
     sharing one activation format; every layer's RoPE of one layout and frequency factors
     (their bases and scales may differ)."""
-    ropes = [spec.rope for spec in block.layers]
-    first = ropes[0]
-    if any(
-        (r.n_dims, r.neox, r.freq_factors is None) != (first.n_dims, first.neox, first.freq_factors is None)
-        or (r.freq_factors is not None and not np.array_equal(r.freq_factors, first.freq_factors))
-        for r in ropes
-    ):
+    first = block.layers[0].rope
+
+    def same_layout(r) -> bool:
+        if (r.n_dims, r.neox) != (first.n_dims, first.neox):
+            return False
+        if r.freq_factors is None or first.freq_factors is None:
+            return r.freq_factors is first.freq_factors
+        return np.array_equal(r.freq_factors, first.freq_factors)
+
+    if not all(same_layout(spec.rope) for spec in block.layers):
         return False
     files = set()
     for layer in layers:
