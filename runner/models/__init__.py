@@ -6,7 +6,7 @@ import importlib
 
 from fastrun.formats.errors import FastrunError
 
-ARCHITECTURES = {name: name for name in ("llama", "qwen2", "gemma3")}
+ARCHITECTURES = {name: name for name in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")}
 
 
 def model_class(arch: str):

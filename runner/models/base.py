@@ -53,7 +53,7 @@ class TransformerConfig:
     @classmethod
     def arch_fields(cls, f: GGUFFile, common: dict) -> dict:
         """Values of the architecture's own fields (those beyond TransformerConfig's) read from
-        its metadata; `common` holds the shared ones already read."""
+        its metadata; `common` holds the shared ones already read, which it may replace."""
         return {}
 
     @classmethod
@@ -114,7 +114,8 @@ class TransformerConfig:
             rms_eps=f.get(keys.RMS_EPS) or 1e-5,
             rope=rope,
         )
-        return cls(**common, **cls.arch_fields(f, common))
+        own = cls.arch_fields(f, common)  # first: it may refine a shared value (phi3's RoPE)
+        return cls(**common, **own)
 
 
 def _caused_by_interrupt(error: BaseException) -> bool:

@@ -1,0 +1,57 @@
+"""Every architecture against an independent implementation: tiny random-weight models made in
+Hugging Face transformers, converted by llama.cpp's convert_hf_to_gguf.py, with transformers'
+float32 logits (tests/fixtures/arch; scripts/make_arch_fixtures.py regenerates them)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastrun.backends import get_backend
+from fastrun.formats.gguf import GGUFFile
+from fastrun.quant.pipeline import quantize_model
+from fastrun.runner.models import ARCHITECTURES, model_class
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "arch"
+NAMES = ["qwen3", "gemma2", "gemma3", "phi3", "llama3"]
+
+
+def fixture_logits(path: Path, ids: np.ndarray, backend_name: str = "cpu") -> np.ndarray:
+    """Logits [n, vocab] of token ids, all in one pass."""
+    f = GGUFFile(path)
+    model = model_class(f.architecture)(f, get_backend(backend_name))
+    return model.forward(ids, model.new_cache(64), all_logits=True)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_f32_weights_match_transformers(name):
+    ref = np.load(FIXTURES / f"{name}.npz")
+    expect = ref["logits"]
+    got = fixture_logits(FIXTURES / f"{name}.gguf", ref["ids"])
+    scale = np.abs(expect).max()
+    print(f"{name}: max |d| {np.abs(got - expect).max():.2e} of logits up to {scale:.2f}")
+    assert np.abs(got - expect).max() <= 1e-3 * scale
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_q8_0_weights_stay_close(name, tmp_path):
+    ref = np.load(FIXTURES / f"{name}.npz")
+    expect = ref["logits"]
+    quantized = tmp_path / f"{name}.q8_0.gguf"
+    quantize_model(FIXTURES / f"{name}.gguf", quantized, "Q8_0", threads=1)
+    got = fixture_logits(quantized, ref["ids"])
+    p_ref = log_softmax(expect)
+    kl = (np.exp(p_ref) * (p_ref - log_softmax(got))).sum(axis=1).mean()
+    print(f"{name}: Q8_0 mean KL {kl:.2e}")
+    assert kl <= 1e-3
+
+
+def test_every_fixture_architecture_is_registered():
+    for name in NAMES:
+        assert GGUFFile(FIXTURES / f"{name}.gguf").architecture in ARCHITECTURES
