@@ -60,7 +60,8 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU's tanh form in float32, as ggml_gelu_f32."""
     x = np.asarray(x, np.float32)
     inner = np.float32(0.7978845608028654) * x * (np.float32(1) + np.float32(0.044715) * x * x)
-    return np.float32(0.5) * x * (np.float32(1) + np.tanh(inner))
+    tanh = np.tanh(inner.astype(np.float64)).astype(np.float32)  # as tanhf, correctly rounded
+    return np.float32(0.5) * x * (np.float32(1) + tanh)
 
 
 class ReferenceBackend(Backend):

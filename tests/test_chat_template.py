@@ -3,7 +3,7 @@
 import pytest
 
 from fastrun.formats import FastrunError
-from fastrun.runner.chat import ChatTemplate
+from fastrun.runner.chat import GEMMA, ChatTemplate
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
@@ -14,6 +14,17 @@ def test_chatml_fallback():
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n"
+    )
+
+
+def test_gemma_fallback():
+    t = ChatTemplate(None, bos_token="<bos>", fallback=GEMMA)
+    reply = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "?"}]
+    turns = MESSAGES + reply
+    assert t.render(turns) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\n?<end_of_turn>\n"
+        "<start_of_turn>model\n"
     )
 
 

@@ -390,3 +390,43 @@ def test_top_k(backend, k, vocab):
     assert ids[1, 0] == np.flatnonzero(x[1] == 9.0)[0]
     largest = -np.sort(-np.nan_to_num(x, nan=-np.inf, posinf=np.inf), axis=1)[:, :k]
     np.testing.assert_array_equal(expect_values, largest)
+
+
+def test_gelu_mul_scale_softcap(backend):
+    """The gemma steps: GELU (tanh) gating with llama.cpp's fp16 table (and its cut-offs at
+    +-10), a scale, a tanh soft-cap."""
+    rng = np.random.default_rng(15)
+    g, u = rng.standard_normal((2, 4, 300)).astype(np.float32) * 5
+    g[0, :4] = [-10.5, -10.0, 10.0, 12.0]
+    got = host(backend, backend.gelu_mul(dev(backend, g), dev(backend, u)))
+    expect = ref.gelu_mul(g, u)
+    if backend.name == "cpu":  # the same float32 steps: equal
+        np.testing.assert_array_equal(got, expect)
+    # a tanh a few ulps off may flip an fp16 rounding (CUDA's tanhf): one fp16 step at most
+    np.testing.assert_allclose(got, expect, rtol=1e-3, atol=1e-6)
+    got = host(backend, backend.scale(dev(backend, g), 25.3))
+    np.testing.assert_allclose(got, ref.scale(g.copy(), 25.3), rtol=1e-6)
+    got = host(backend, backend.softcap(dev(backend, g), 3.0))
+    np.testing.assert_allclose(got, ref.softcap(g.copy(), 3.0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window, softcap", [(8, 0.0), (0, 5.0), (40, 2.0)])
+@pytest.mark.parametrize("n", [1, 3, 150])
+def test_attention_window_and_softcap(backend, window, softcap, n):
+    """Sliding-window layers see only their last `window` positions; soft-capped scores.
+    Decode-sized and prefill-sized batches (CUDA: the split and the tiled kernels)."""
+    rng = np.random.default_rng(seed_of(window, softcap, n))
+    hk, hd, c, h = 1, 64, 400, 4
+    kv = rng.standard_normal((2, c, hk, hd)).astype(np.float32)
+    k_ref, v_ref = ref.zeros((c, hk, hd)), ref.zeros((c, hk, hd))
+    k_dev, v_dev = backend.zeros((c, hk, hd)), backend.zeros((c, hk, hd))
+    every = np.arange(c, dtype=np.int32)
+    ref.kv_write(k_ref, v_ref, kv[0], kv[1], every)
+    backend.kv_write(k_dev, v_dev, dev(backend, kv[0]), dev(backend, kv[1]), every)
+    pos = np.arange(200 - n, 200, dtype=np.int32) if n > 1 else np.array([350], np.int32)
+    starts = np.zeros(n, np.int32)
+    q = rng.standard_normal((n, h, hd)).astype(np.float32)
+    args = (pos, 0.5, starts, window, softcap)
+    expect = ref.attention(q, k_ref, v_ref, *args)
+    got = backend.attention(dev(backend, q), k_dev, v_dev, *args)
+    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)

@@ -98,8 +98,10 @@ def gelu_mul(gate, up, out):
                 gelu = g
             else:
                 x = f16_round(g)
-                inner = np.float32(0.7978845608028654) * x * (1 + np.float32(0.044715) * x * x)
-                gelu = f16_round(np.float32(0.5) * x * (1 + np.tanh(inner)))
+                one = np.float32(1)
+                inner = np.float32(0.7978845608028654) * x * (one + np.float32(0.044715) * x * x)
+                tanh = np.float32(math.tanh(np.float64(inner)))  # tanhf's correctly rounded value
+                gelu = f16_round(np.float32(0.5) * x * (one + tanh))
             out[t, i] = gelu * up[t, i]
 
 
