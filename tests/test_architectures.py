@@ -55,3 +55,20 @@ def test_q8_0_weights_stay_close(name, tmp_path):
 def test_every_fixture_architecture_is_registered():
     for name in NAMES:
         assert GGUFFile(FIXTURES / f"{name}.gguf").architecture in ARCHITECTURES
+
+
+def test_a_backend_lacking_a_feature_refuses_the_model_in_one_line():
+    from fastrun.backends.reference import ReferenceBackend
+    from fastrun.formats.errors import FastrunError
+
+    class LlamaOnly(ReferenceBackend):
+        name = "llama-only"
+        features = frozenset()
+
+    f = GGUFFile(FIXTURES / "gemma2.gguf")
+    with pytest.raises(FastrunError) as refused:
+        model_class(f.architecture)(f, LlamaOnly())
+    message = str(refused.value)
+    assert "\n" not in message and "gemma2" in message and "soft-capping" in message
+    f = GGUFFile(FIXTURES / "llama3.gguf")  # the llama block needs no feature
+    model_class(f.architecture)(f, LlamaOnly())
