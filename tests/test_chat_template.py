@@ -102,3 +102,17 @@ def test_template_compiles_on_first_use_and_limits_come_from_the_environment(mon
     monkeypatch.setenv("FASTRUN_TEMPLATE_SECONDS", "soon")
     with pytest.raises(FastrunError, match="FASTRUN_TEMPLATE_SECONDS"):
         ChatTemplate(None)
+
+
+def test_gemma3_file_gets_gemma_turns_and_stops_at_end_of_turn():
+    from helpers import real_model
+
+    from fastrun.formats.gguf import GGUFFile
+    from fastrun.runner.tokenizer import Tokenizer
+
+    f = GGUFFile(real_model("gemma3-270m"))  # its file holds no template
+    tokenizer = Tokenizer.from_gguf(f)
+    template = ChatTemplate.for_file(f, tokenizer)
+    assert template.is_fallback and template.source is GEMMA
+    assert template.render(MESSAGES[1:]).startswith("<bos><start_of_turn>user\nHi<end_of_turn>")
+    assert tokenizer.tokens.index("<end_of_turn>") in tokenizer.eog_ids
