@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastrun.backends.base import RopeConfig  # noqa: TC001 (a dataclass field's type)
+from fastrun.backends.base import RopeConfig
 from fastrun.formats.errors import FastrunError
 
 SILU, GELU_TANH = "silu", "gelu_tanh"  # gate activations

@@ -1,7 +1,9 @@
 """All transformer blocks of a model in one compiled call (the CPU's answer to a CUDA graph).
 
-The blocks run the fused steps of fused.py in the order Transformer._attention_block and
-_ffn_block call them, so the arithmetic is the same; what goes is the Python between them
+The blocks run the steps of fused.py and ops.py in the order Transformer._attention_block
+and _ffn_block call them, with the options the model's block description (backends/block.py)
+sets: Q/K head norms, post-norms, GELU or SiLU gating, per-layer RoPE base and attention
+window, score soft-cap. So the arithmetic is the same; what goes is the Python between them
 (about 1.3 ms of a 15 ms SmolLM2 decode step: argument checks, dispatch, allocation). Every
 argument has one type whatever the model, so one compiled signature serves all: the weights
 as the memory-mapped file plus byte offsets, the norms and biases stacked per layer, the KV
