@@ -72,3 +72,18 @@ def test_a_backend_lacking_a_feature_refuses_the_model_in_one_line():
     assert "\n" not in message and "gemma2" in message and "soft-capping" in message
     f = GGUFFile(FIXTURES / "llama3.gguf")  # the llama block needs no feature
     model_class(f.architecture)(f, LlamaOnly())
+
+
+def test_context_shift_rotates_keys_by_the_layers_rope():
+    """After a shift, the moved keys of layer 0 (which depend only on token and position) are
+    those of their new positions: re-rotated with that layer's RoPE (gemma3's fixture layers
+    are local: base 10000, not the file's 1e6)."""
+    f = GGUFFile(FIXTURES / "gemma3.gguf")
+    model = model_class(f.architecture)(f, get_backend("cpu"))
+    ids = np.load(FIXTURES / "gemma3.npz")["ids"].tolist()
+    shifted, fresh = model.new_cache(64), model.new_cache(64)
+    model.forward(ids[:20], shifted)
+    shifted.shift(4, 8, [at.rope for at in model.block.layers])
+    assert shifted.tokens == ids[:4] + ids[12:20]
+    model.forward(shifted.tokens, fresh)
+    np.testing.assert_allclose(shifted.k[0, :12], fresh.k[0, :12], atol=2e-3)
