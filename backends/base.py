@@ -37,6 +37,9 @@ class Backend(ABC):
     """Operations on backend arrays. `x` arrays are float32 unless stated."""
 
     name: str = "abstract"
+    # the block features (backends/block.py) beyond the llama block that this backend runs;
+    # a model that needs another is refused at load
+    features: frozenset[str] = frozenset()
 
     def use_on_this_thread(self) -> None:
         """Make the calling thread ready to run this backend's operations (settings that are
@@ -93,6 +96,20 @@ class Backend(ABC):
     def silu_mul(self, gate, up):
         """silu(gate) * up, both [n, f] -> [n, f]."""
 
+    def gelu_mul(self, gate, up):
+        """gelu(gate) * up with GELU's tanh form, both [n, f] -> [n, f]; as llama.cpp's CPU
+        computes it: gate rounded to fp16, gelu looked up in fp16 (0 from -10 down, gate from
+        10 up)."""
+        raise NotImplementedError(f"the {self.name} backend has no GELU")
+
+    def scale(self, x, factor: float):
+        """x * factor, written into x; returns x."""
+        raise NotImplementedError(f"the {self.name} backend has no scale")
+
+    def softcap(self, x, cap: float):
+        """cap * tanh(x / cap), written into x [n, m]; returns x."""
+        raise NotImplementedError(f"the {self.name} backend has no soft-capping")
+
     @abstractmethod
     def add(self, x, y):
         """x + y, written into x; returns x."""
@@ -108,10 +125,15 @@ class Backend(ABC):
         """Store k, v [n, hk, hd] at cache slots (int32 [n]) of k_cache, v_cache [c, hk, hd]."""
 
     @abstractmethod
-    def attention(self, q, k_cache, v_cache, positions: np.ndarray, scale: float, starts=None):
+    def attention(
+        self, q, k_cache, v_cache, positions, scale: float, starts=None, window=0, softcap=0.0
+    ):
         """Causal attention: query i [h, hd] of q [n, h, hd] attends to cache slots
         starts[i] + 0..positions[i] (starts: int32 [n], the first slot of each query's
-        sequence; None: all 0); heads share kv heads in groups of h // hk. Returns [n, h * hd]."""
+        sequence; None: all 0); heads share kv heads in groups of h // hk. Scores are
+        q . k * scale, then softcap * tanh(score / softcap) where softcap > 0. window > 0:
+        only the last `window` positions, positions[i] - window + 1 .. positions[i] (a
+        sliding-window layer). Returns [n, h * hd]."""
 
     def kv_copy(self, k_cache, v_cache, src: int, dst: int, n: int, shift: int = 0, rope=None):
         """Copy rows src .. src + n of every layer of k_cache, v_cache [n_layer, c, hk, hd] to
@@ -153,11 +175,12 @@ class Backend(ABC):
         self.kv_write(k_cache, v_cache, k, v.reshape(n, -1, hd), slots)
         return q
 
-    def layer_stack(self, layers, eps: float, rope: RopeConfig, scale: float):
-        """All transformer blocks (the model's Layer objects) as one callable,
-        stack(x, k_cache, v_cache, positions, slots, starts) -> x with the caches as
-        [n_layer, rows, hk, hd], doing the arithmetic of the steps above; None where this
-        backend has none for these weights (the model then calls the steps block by block)."""
+    def layer_stack(self, layers, eps: float, block):
+        """All transformer blocks (the model's Layer objects, computing as block: BlockSpec
+        describes) as one callable, stack(x, k_cache, v_cache, positions, slots, starts) -> x
+        with the caches as [n_layer, rows, hk, hd], doing the arithmetic of the steps above;
+        None where this backend has none for these weights (the model then calls the steps
+        block by block)."""
         return None
 
     # -- whole decode steps -------------------------------------------------------------------

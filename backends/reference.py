@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastrun.backends import block
 from fastrun.backends.base import Backend, RopeConfig, Weight
 from fastrun.quant.formats import block_format
 from fastrun.quant.reference import BLOCK_DTYPES, dequantize_ref, quantize_activation_ref
@@ -55,8 +56,17 @@ class RefWeight(Weight):
         self.dense = dequantize_ref(raw, qtype, n_out * n_in).reshape(n_out, n_in)
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh form in float32, as ggml_gelu_f32."""
+    x = np.asarray(x, np.float32)
+    inner = np.float32(0.7978845608028654) * x * (np.float32(1) + np.float32(0.044715) * x * x)
+    tanh = np.tanh(inner.astype(np.float64)).astype(np.float32)  # as tanhf, correctly rounded
+    return np.float32(0.5) * x * (np.float32(1) + tanh)
+
+
 class ReferenceBackend(Backend):
     name = "reference"
+    features = frozenset(block.FEATURES)
 
     def load_weight(self, raw, qtype, n_out, n_in):
         return RefWeight(np.asarray(raw), qtype, n_out, n_in)
@@ -117,6 +127,20 @@ class ReferenceBackend(Backend):
         ):  # exp(-gate) overflows to inf for very negative gate: silu -> 0
             return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
 
+    def gelu_mul(self, gate, up):
+        gate = np.asarray(gate, np.float32)
+        looked_up = fp16_round(gelu_tanh(fp16_round(gate)))  # llama.cpp's fp16 table
+        gelu = np.where(gate <= -10, np.float32(0), np.where(gate >= 10, gate, looked_up))
+        return (gelu * up).astype(np.float32)
+
+    def scale(self, x, factor):
+        x *= np.float32(factor)
+        return x
+
+    def softcap(self, x, cap):
+        x[...] = np.float32(cap) * np.tanh(x / np.float32(cap))
+        return x
+
     def add(self, x, y):
         x += y
         return x
@@ -129,17 +153,20 @@ class ReferenceBackend(Backend):
         k_cache[slots] = fp16_round(k)
         v_cache[slots] = fp16_round(v)
 
-    def attention(self, q, k_cache, v_cache, positions, scale, starts=None):
+    def attention(self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0):
         n, h, hd = q.shape
         group = h // k_cache.shape[1]
         qh = fp16_round(q)
         out = np.zeros((n, h, hd), np.float32)
         for i in range(n):
             first = 0 if starts is None else int(starts[i])
-            rows = slice(first, first + int(positions[i]) + 1)
+            seen = int(positions[i]) + 1 if window <= 0 else min(window, int(positions[i]) + 1)
+            rows = slice(first + int(positions[i]) + 1 - seen, first + int(positions[i]) + 1)
             for j in range(h):
                 k = k_cache[rows, j // group].astype(np.float64)
                 s = k @ qh[i, j].astype(np.float64) * scale
+                if softcap > 0:
+                    s = softcap * np.tanh(s / softcap)
                 p = np.exp(s - s.max())
                 out[i, j] = (p @ v_cache[rows, j // group].astype(np.float64)) / p.sum()
         return out.reshape(n, h * hd)

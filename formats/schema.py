@@ -65,6 +65,15 @@ SCHEMA: dict[str, KeySpec] = {
     keys.ROPE_SCALING_FACTOR: KeySpec(FLOAT, low=0.0, high=1e6),
     keys.ROPE_SCALE_LINEAR: KeySpec(FLOAT, low=0.0, high=1e6),
     keys.VOCAB_SIZE: _count(1 << 24),
+    keys.SLIDING_WINDOW: _count(_I32),
+    # gemma3's pattern: every n-th layer attends globally (an array per layer is refused:
+    # fastrun reads the count only)
+    keys.SLIDING_WINDOW_PATTERN: _count(1 << 12),
+    keys.ROPE_FREQ_BASE_SWA: KeySpec(FLOAT, high=1e12, positive=True),
+    keys.ATTN_SOFTCAP: KeySpec(FLOAT, low=0.0, high=1e6),
+    keys.FINAL_SOFTCAP: KeySpec(FLOAT, low=0.0, high=1e6),
+    keys.ROPE_ORIG_CONTEXT: _count(_I32),
+    keys.ROPE_ATTN_FACTOR: KeySpec(FLOAT, low=0.0, high=1e3),
     keys.TOKENIZER_MODEL: KeySpec(STR, max_len=64),
     keys.TOKENIZER_PRE: KeySpec(STR, max_len=64),
     keys.TOKENS: KeySpec(STRINGS, min_len=1, max_len=1 << 24),

@@ -1,5 +1,6 @@
 """Chat templates: the GGUF's own Jinja template, rendered in a sandbox (it is untrusted input),
-with the globals Hugging Face templates expect; ChatML when the file has none.
+with the globals Hugging Face templates expect; when the file has none, its architecture
+family's (Gemma's turns) or ChatML.
 
 The sandbox (runner/sandbox.py) stops a template from reaching Python internals, running forever
 or rendering gigabytes; any failure inside is one FastrunError. The template is compiled on first
@@ -21,6 +22,23 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# Gemma's turns, for gemma files without a template (Gemma 3 270M's has none): the model's
+# role is "model", a system message opens the first user turn, and a turn ends with
+# <end_of_turn> (an end-of-generation token: the reply stops there).
+GEMMA = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+    "{% else %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (ns.system + message['content']) | trim"
+    " + '<end_of_turn>\n' }}{% set ns.system = '' %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# The template for a file without one, by architecture prefix; ChatML otherwise.
+FALLBACKS = {"gemma": GEMMA}
 
 MAX_JSON_INDENT = 16
 
@@ -52,28 +70,36 @@ class ChatTemplate:
         bos_token: str = "",
         eos_token: str = "",
         limits: TemplateLimits | None = None,
+        fallback: str = CHATML,
     ):
         self._source = source  # or a function that reads it, called when first needed
+        self.fallback = fallback  # when the source is None
         self.bos_token, self.eos_token = bos_token, eos_token
         self.limits = limits or TemplateLimits.from_env()
         self._template = None
 
     @classmethod
-    def for_model(cls, source, tokenizer, limits: TemplateLimits | None = None) -> ChatTemplate:
-        """source: the template text, None for ChatML, or a function that reads it (the GGUF
-        metadata is then read, and checked, only when the template is first used)."""
+    def for_model(
+        cls, source, tokenizer, limits: TemplateLimits | None = None, fallback: str = CHATML
+    ) -> ChatTemplate:
+        """source: the template text, None for the fallback (ChatML), or a function that reads
+        it (the GGUF metadata is then read, and checked, only when the template is first
+        used)."""
 
         def text(tid):
             return tokenizer.tokens[tid] if tid is not None and 0 <= tid < tokenizer.n_vocab else ""
 
-        return cls(source, text(tokenizer.bos_id), text(tokenizer.eos_id), limits)
+        return cls(source, text(tokenizer.bos_id), text(tokenizer.eos_id), limits, fallback)
 
     @classmethod
     def for_file(cls, f, tokenizer, limits: TemplateLimits | None = None) -> ChatTemplate:
-        """The template of an open GGUFFile, read from its metadata when first used."""
+        """The template of an open GGUFFile, read from its metadata when first used; without
+        one, its architecture family's (FALLBACKS) or ChatML."""
         from fastrun.formats import keys
 
-        return cls.for_model(lambda: f.get(keys.CHAT_TEMPLATE), tokenizer, limits)
+        arch = f.architecture or ""
+        fallback = next((t for p, t in FALLBACKS.items() if arch.startswith(p)), CHATML)
+        return cls.for_model(lambda: f.get(keys.CHAT_TEMPLATE), tokenizer, limits, fallback)
 
     @property
     def source(self) -> str:
@@ -81,11 +107,11 @@ class ChatTemplate:
             self._source = self._source()
         if self._source is not None and not isinstance(self._source, str):
             raise FastrunError(f"the chat template is {type(self._source).__name__}, not text")
-        return self._source or CHATML
+        return self._source or self.fallback
 
     @property
     def is_fallback(self) -> bool:
-        return self.source is CHATML
+        return self.source is self.fallback
 
     def _compiled(self):
         if self._template is None:

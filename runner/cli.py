@@ -71,6 +71,8 @@ def model_info(path) -> dict:
             "file": str(path),
             "name": f.get(keys.NAME),
             "architecture": arch,
+            "runs": arch in ARCHITECTURES,  # whether fastrun runs this architecture
+            "supported_architectures": sorted(ARCHITECTURES),
             "parameters": sum(t.n_elements for t in f.tensors.values()),
             "context_length": f.get(keys.CONTEXT_LENGTH),
             "embedding_length": f.get(keys.EMBEDDING_LENGTH),
@@ -104,6 +106,8 @@ def info(
             v = ", ".join(f"{t}: {n}" for t, n in v.items())
         elif k == "file_size":
             v = f"{v / 1e6:.1f} MB"
+        elif k == "supported_architectures":
+            v = ", ".join(v)
         table.add_row(k, str(v))
     typer.echo(render(table))
 

@@ -462,7 +462,7 @@ class Engine:
             self._decoding.remove(request)
             self._finish(request, "length")
             return False
-        cache.shift(keep, discard, self.transformer.config.rope)
+        cache.shift(keep, discard, self.transformer.layer_ropes)
         if self.speculator is not None:
             self.speculator.shifted(request, keep, discard)
         request.completion.context_shifts += 1

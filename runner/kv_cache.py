@@ -91,9 +91,11 @@ class KVCache:
             n += 1
         return n
 
-    def shift(self, n_keep: int, n_discard: int, rope) -> None:
+    def shift(self, n_keep: int, n_discard: int, ropes) -> None:
         """Context shift: drop the n_discard tokens after the first n_keep; the later ones move
-        down by n_discard positions, their keys rotated back by as much (rope: RopeConfig)."""
+        down by n_discard positions, their keys rotated back by as much (ropes: one RopeConfig
+        for every layer, or a list with each layer's, the same object for layers that share
+        one: gemma3's local and global layers differ)."""
         n_keep = max(0, min(n_keep, self.length))
         n_discard = max(0, min(n_discard, self.length - n_keep))
         moved = self.length - n_keep - n_discard
@@ -101,7 +103,14 @@ class KVCache:
             return
         if moved:
             src, dst = self.base + n_keep + n_discard, self.base + n_keep
-            self.cells.backend.kv_copy(self.k, self.v, src, dst, moved, -n_discard, rope)
+            per_layer = ropes if isinstance(ropes, list | tuple) else [ropes] * self.k.shape[0]
+            first = 0
+            for last in range(1, len(per_layer) + 1):  # runs of layers of one RoPE, one copy each
+                if last == len(per_layer) or per_layer[last] is not per_layer[first]:
+                    k, v = self.k[first:last], self.v[first:last]
+                    rope = per_layer[first]
+                    self.cells.backend.kv_copy(k, v, src, dst, moved, -n_discard, rope)
+                    first = last
         del self.tokens[n_keep : n_keep + n_discard]
 
     def copy_prefix(self, source: KVCache, n: int) -> None:

@@ -3,7 +3,7 @@
 import pytest
 
 from fastrun.formats import FastrunError
-from fastrun.runner.chat import ChatTemplate
+from fastrun.runner.chat import GEMMA, ChatTemplate
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
@@ -14,6 +14,17 @@ def test_chatml_fallback():
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n"
+    )
+
+
+def test_gemma_fallback():
+    t = ChatTemplate(None, bos_token="<bos>", fallback=GEMMA)
+    reply = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "?"}]
+    turns = MESSAGES + reply
+    assert t.render(turns) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\n?<end_of_turn>\n"
+        "<start_of_turn>model\n"
     )
 
 
@@ -91,3 +102,17 @@ def test_template_compiles_on_first_use_and_limits_come_from_the_environment(mon
     monkeypatch.setenv("FASTRUN_TEMPLATE_SECONDS", "soon")
     with pytest.raises(FastrunError, match="FASTRUN_TEMPLATE_SECONDS"):
         ChatTemplate(None)
+
+
+def test_gemma3_file_gets_gemma_turns_and_stops_at_end_of_turn():
+    from helpers import real_model
+
+    from fastrun.formats.gguf import GGUFFile
+    from fastrun.runner.tokenizer import Tokenizer
+
+    f = GGUFFile(real_model("gemma3-270m"))  # its file holds no template
+    tokenizer = Tokenizer.from_gguf(f)
+    template = ChatTemplate.for_file(f, tokenizer)
+    assert template.is_fallback and template.source is GEMMA
+    assert template.render(MESSAGES[1:]).startswith("<bos><start_of_turn>user\nHi<end_of_turn>")
+    assert tokenizer.tokens.index("<end_of_turn>") in tokenizer.eog_ids

@@ -253,4 +253,8 @@ def test_info_leaves_other_architectures_keys_alone(tmp_path):
     m.set("openelm.attention.head_count_kv", Value(9, (5, [2, 2])))
     path = tmp_path / "openelm.gguf"
     path.write_bytes(serialize(m))
-    assert model_info(path)["architecture"] == "openelm"
+    info = model_info(path)
+    assert info["architecture"] == "openelm" and info["runs"] is False
+    assert {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"} <= set(
+        info["supported_architectures"]
+    )

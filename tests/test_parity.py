@@ -305,16 +305,23 @@ def test_attention_inputs(backend, neox):
     np.testing.assert_array_equal(host(backend, v_dev), v_ref)
 
 
-def test_attention_over_sequences_of_one_cache(backend):
-    """Queries of several sequences, each attending to its own rows (starts) of one cache."""
-    rng = np.random.default_rng(13)
-    hk, hd, c, h = 2, 64, 3 * 300, 6
+def _random_cache(backend, rng, c, hk, hd):
+    """Reference and backend caches [c, hk, hd] holding the same random keys and values:
+    (k_ref, v_ref, k_dev, v_dev)."""
     kv = rng.standard_normal((2, c, hk, hd)).astype(np.float32)
     k_ref, v_ref = ref.zeros((c, hk, hd)), ref.zeros((c, hk, hd))
     k_dev, v_dev = backend.zeros((c, hk, hd)), backend.zeros((c, hk, hd))
     every = np.arange(c, dtype=np.int32)
     ref.kv_write(k_ref, v_ref, kv[0], kv[1], every)
     backend.kv_write(k_dev, v_dev, dev(backend, kv[0]), dev(backend, kv[1]), every)
+    return k_ref, v_ref, k_dev, v_dev
+
+
+def test_attention_over_sequences_of_one_cache(backend):
+    """Queries of several sequences, each attending to its own rows (starts) of one cache."""
+    rng = np.random.default_rng(13)
+    hk, hd, c, h = 2, 64, 3 * 300, 6
+    k_ref, v_ref, k_dev, v_dev = _random_cache(backend, rng, c, hk, hd)
     q = rng.standard_normal((3, h, hd)).astype(np.float32)
     pos, starts = np.array([7, 299, 0], np.int32), np.array([0, 300, 600], np.int32)
     expect = ref.attention(q, k_ref, v_ref, pos, 0.125, starts)
@@ -328,12 +335,7 @@ def test_attention_of_a_prefill_sized_batch(backend, hd):
     of one sequence, a lone decode token of another, a run of a third from position 0."""
     rng = np.random.default_rng(14)
     hk, c, h = 2, 3 * 300, 4
-    kv = rng.standard_normal((2, c, hk, hd)).astype(np.float32)
-    k_ref, v_ref = ref.zeros((c, hk, hd)), ref.zeros((c, hk, hd))
-    k_dev, v_dev = backend.zeros((c, hk, hd)), backend.zeros((c, hk, hd))
-    every = np.arange(c, dtype=np.int32)
-    ref.kv_write(k_ref, v_ref, kv[0], kv[1], every)
-    backend.kv_write(k_dev, v_dev, dev(backend, kv[0]), dev(backend, kv[1]), every)
+    k_ref, v_ref, k_dev, v_dev = _random_cache(backend, rng, c, hk, hd)
     pos = np.concatenate([np.arange(10, 160), [299], np.arange(0, 49)]).astype(np.int32)
     starts = np.repeat(np.array([0, 300, 600], np.int32), [150, 1, 49])
     q = rng.standard_normal((len(pos), h, hd)).astype(np.float32)
@@ -423,3 +425,36 @@ def test_top_k(backend, k, vocab):
     assert ids[1, 0] == np.flatnonzero(x[1] == 9.0)[0]
     largest = -np.sort(-np.nan_to_num(x, nan=-np.inf, posinf=np.inf), axis=1)[:, :k]
     np.testing.assert_array_equal(expect_values, largest)
+
+
+def test_gelu_mul_scale_softcap(backend):
+    """The gemma steps: GELU (tanh) gating with llama.cpp's fp16 table (and its cut-offs at
+    +-10), a scale, a tanh soft-cap."""
+    rng = np.random.default_rng(15)
+    g, u = rng.standard_normal((2, 4, 300)).astype(np.float32) * 5
+    g[0, :4] = [-10.5, -10.0, 10.0, 12.0]
+    got = host(backend, backend.gelu_mul(dev(backend, g), dev(backend, u)))
+    expect = ref.gelu_mul(g, u)
+    # a tanh in other precision may flip an fp16 rounding: one fp16 step at most
+    np.testing.assert_allclose(got, expect, rtol=1e-3, atol=1e-6)
+    got = host(backend, backend.scale(dev(backend, g), 25.3))
+    np.testing.assert_allclose(got, ref.scale(g.copy(), 25.3), rtol=1e-6)
+    got = host(backend, backend.softcap(dev(backend, g), 3.0))
+    np.testing.assert_allclose(got, ref.softcap(g.copy(), 3.0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window, softcap", [(8, 0.0), (0, 5.0), (40, 2.0)])
+@pytest.mark.parametrize("n", [1, 3, 150])
+def test_attention_window_and_softcap(backend, window, softcap, n):
+    """Sliding-window layers see only their last `window` positions; soft-capped scores.
+    Decode-sized and prefill-sized batches (CUDA: the split and the tiled kernels)."""
+    rng = np.random.default_rng(seed_of(window, softcap, n))
+    hk, hd, c, h = 1, 64, 400, 4
+    k_ref, v_ref, k_dev, v_dev = _random_cache(backend, rng, c, hk, hd)
+    pos = np.arange(200 - n, 200, dtype=np.int32) if n > 1 else np.array([350], np.int32)
+    starts = np.zeros(n, np.int32)
+    q = rng.standard_normal((n, h, hd)).astype(np.float32)
+    args = (pos, 0.5, starts, window, softcap)
+    expect = ref.attention(q, k_ref, v_ref, *args)
+    got = backend.attention(dev(backend, q), k_dev, v_dev, *args)
+    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from fastrun.backends import block
 from fastrun.backends.base import Backend, RopeConfig
 from fastrun.backends.cpu import fused, matmul, ops, stack
 from fastrun.backends.cpu.weights import CPUWeight
@@ -52,6 +53,7 @@ class CPUBackend(Backend):
     lower cost per parallel region (about 3 us measured); TBB, then workqueue, otherwise."""
 
     name = "cpu"
+    features = frozenset(block.FEATURES)
 
     def __init__(self, threads: int | None = None):
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
@@ -146,10 +148,10 @@ class CPUBackend(Backend):
             np.ascontiguousarray(factors, np.float32),
         )
 
-    def layer_stack(self, layers, eps, rope, scale):
-        if not stack.supported(layers):
+    def layer_stack(self, layers, eps, block):
+        if not stack.supported(layers, block):
             return None
-        return stack.CompiledBlocks(layers, eps, rope, scale)
+        return stack.CompiledBlocks(layers, eps, block)
 
     def embed(self, w, ids):
         rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])
@@ -179,6 +181,21 @@ class CPUBackend(Backend):
         ops.silu_mul(gate, up, out)
         return out
 
+    def gelu_mul(self, gate, up):
+        gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+        out = np.empty_like(gate)
+        ops.gelu_mul(gate, up, out)
+        return out
+
+    def scale(self, x, factor):
+        np.multiply(x, np.float32(factor), out=x)
+        return x
+
+    def softcap(self, x, cap):
+        cap = np.float32(cap)
+        np.multiply(np.tanh(x / cap), cap, out=x)
+        return x
+
     def add(self, x, y):
         np.add(x, y, out=x)
         return x
@@ -190,14 +207,14 @@ class CPUBackend(Backend):
     def kv_write(self, k_cache, v_cache, k, v, slots):
         ops.kv_store(k_cache, v_cache, k, np.ascontiguousarray(v), np.asarray(slots, np.int32))
 
-    def attention(self, q, k_cache, v_cache, positions, scale, starts=None):
+    def attention(self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0):
         n, h, hd = q.shape
         out = np.empty((n, h, hd), np.float32)
         positions = np.ascontiguousarray(positions, np.int32)
         starts = np.zeros_like(positions) if starts is None else np.asarray(starts, np.int32)
-        ops.attention(
-            np.ascontiguousarray(q), k_cache, v_cache, positions, starts, np.float32(scale), out
-        )
+        q = np.ascontiguousarray(q)
+        args = (np.float32(scale), np.int64(window), np.float32(softcap))
+        ops.attention(q, k_cache, v_cache, positions, starts, *args, out)
         return out.reshape(n, h * hd)
 
 

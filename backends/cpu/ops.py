@@ -85,12 +85,35 @@ def _dot_row(qf, k_cache, s, kv):
 
 
 @nb.njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, positions, starts, scale, out):
+def gelu_mul(gate, up, out):
+    """out = gelu(gate) * up as llama.cpp's geglu: gate rounded to fp16, gelu (tanh form, in
+    float32) rounded to fp16 as its lookup table holds it; 0 from -10 down, gate from 10 up."""
+    n, f = gate.shape
+    for t in nb.prange(n):
+        for i in range(f):
+            g = gate[t, i]
+            if g <= np.float32(-10):
+                gelu = np.float32(0)
+            elif g >= np.float32(10):
+                gelu = g
+            else:
+                x = f16_round(g)
+                # the sums with 1 widen to float64 (Numba's int + float32); measured against
+                # llama.cpp's Gemma 3 logits, this form agrees best of the float32/float64
+                # variants tried (they differ only where a value rounds to the next fp16)
+                inner = np.float32(0.7978845608028654) * x * (1 + np.float32(0.044715) * x * x)
+                gelu = f16_round(np.float32(0.5) * x * (1 + np.tanh(inner)))
+            out[t, i] = gelu * up[t, i]
+
+
+@nb.njit(parallel=True, **_JIT)
+def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, out):
     """Causal attention over the cache, one (token, head) pair per task, online softmax.
 
     q [n, h, hd], k_cache/v_cache [c, hk, hd], positions and starts (each query's first cache
-    row) int32 [n], out [n, h, hd]. Memory is O(hd) per task: no n x n score matrix, whatever
-    the prompt length.
+    row) int32 [n], out [n, h, hd]; window > 0: only the last `window` positions; softcap >
+    0: scores -> softcap * tanh(score / softcap). Memory is O(hd) per task: no n x n score
+    matrix, whatever the prompt length.
     """
     n, h, hd = q.shape
     group = h // k_cache.shape[1]
@@ -104,8 +127,11 @@ def attention(q, k_cache, v_cache, positions, starts, scale, out):
         acc = np.zeros(hd, np.float32)
         m = -np.inf
         total = np.float32(0)
-        for s in range(starts[t], starts[t] + positions[t] + 1):
+        first = starts[t] + (max(0, positions[t] - window + 1) if window > 0 else 0)
+        for s in range(first, starts[t] + positions[t] + 1):
             score = _dot_row(qf, k_cache, s, kv) * scale
+            if softcap > 0:
+                score = softcap * np.float32(math.tanh(score / softcap))
             if score > m:
                 rescale = np.float32(np.exp(m - score))
                 total *= rescale

@@ -1,7 +1,9 @@
 """All transformer blocks of a model in one compiled call (the CPU's answer to a CUDA graph).
 
-The blocks run the fused steps of fused.py in the order Transformer._attention_block and
-_ffn_block call them, so the arithmetic is the same; what goes is the Python between them
+The blocks run the steps of fused.py and ops.py in the order Transformer._attention_block
+and _ffn_block call them, with the options the model's block description (backends/block.py)
+sets: Q/K head norms, post-norms, GELU or SiLU gating, per-layer RoPE base and attention
+window, score soft-cap. So the arithmetic is the same; what goes is the Python between them
 (about 1.3 ms of a 15 ms SmolLM2 decode step: argument checks, dispatch, allocation). Every
 argument has one type whatever the model, so one compiled signature serves all: the weights
 as the memory-mapped file plus byte offsets, the norms and biases stacked per layer, the KV
@@ -13,9 +15,11 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from fastrun.backends.block import GELU_TANH
 from fastrun.backends.cpu import ops
 from fastrun.backends.cpu.cache import drop_stale_cache
-from fastrun.backends.cpu.fused import norm_qmatmul_many, qmatmul_add, rope_kv, silu_qmatmul_add
+from fastrun.backends.cpu.fused import norm_qmatmul_many, rope_kv
+from fastrun.backends.cpu.matmul import qmatmul
 from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer
 
 drop_stale_cache(
@@ -38,9 +42,18 @@ def _rows(file, where, i):
 
 
 @nb.njit(**_JIT)
+def _add_branch(x, branch, post_norm, eps):
+    """x += branch, or x += rms_norm(branch) * post_norm where the block has post-norms."""
+    if post_norm.size:
+        ops.rms_norm(branch, post_norm, eps, branch)  # element-wise: in place is safe
+    x += branch
+
+
+@nb.njit(**_JIT)
 def run_blocks(
-    x, file, where, kernels, block_sizes, q8k, norms, bq, bk, bv, k_cache, v_cache, positions,
-    slots, starts, eps, rope_config, factors, scale,
+    x, file, where, kernels, block_sizes, q8k, norms, bq, bk, bv, head_norms, post_norms,
+    k_cache, v_cache, positions, slots, starts, eps, rope_dims, rope_neox, rope_bases,
+    rope_scales, factors, windows, scale, softcap, gelu,
 ):  # fmt: skip
     """x [n, d] through every block, in place; returns x.
 
@@ -49,8 +62,12 @@ def run_blocks(
     kernels int64 [L, 7] (matmul FORMATS index);
     block_sizes int64, q8k bool [L, 4]: the activation format of the QKV, wo, gate/up and
     down products; norms [L, 2, d] (attention, FFN); bq [L, h*hd], bk, bv [L, hk*hd] (or
-    [L, 0]: none); k_cache, v_cache [L, rows, hk, hd]."""
+    [L, 0]: none); head_norms [L, 2, hd] (Q, K; or [L, 0, 0]: none); post_norms [L, 2, d]
+    (attention and FFN outputs; or [L, 0, 0]); k_cache, v_cache [L, rows, hk, hd]; per layer
+    the RoPE base and scale and the attention window (0: none), float64/int64 [L]; softcap:
+    of the attention scores (0: none); gelu: GELU gating, else SiLU (backends/block.py)."""
     n = x.shape[0]
+    hd = k_cache.shape[3]
     for layer in range(norms.shape[0]):
         w = 7 * layer
         qkv = (_rows(file, where, w), _rows(file, where, w + 1), _rows(file, where, w + 2))
@@ -58,21 +75,34 @@ def run_blocks(
             qkv, x, norms[layer, 0], eps, kernels[layer, :3], block_sizes[layer, 0],
             q8k[layer, 0],
         )  # fmt: skip
+        if head_norms.shape[1]:  # each head's RMSNorm, in place (row by row: safe)
+            q_heads = q.reshape((q.size // hd, hd))
+            k_heads = k.reshape((k.size // hd, hd))
+            ops.rms_norm(q_heads, head_norms[layer, 0], eps, q_heads)
+            ops.rms_norm(k_heads, head_norms[layer, 1], eps, k_heads)
         kc, vc = k_cache[layer], v_cache[layer]
         biases = (bq[layer], bk[layer], bv[layer])
+        rope_config = (rope_dims, rope_bases[layer], rope_scales[layer], rope_neox)
         q3 = rope_kv(q, k, v, biases, kc, vc, positions, slots, rope_config, factors)
         attn = np.empty(q3.shape, np.float32)
-        ops.attention(q3, kc, vc, positions, starts, scale, attn)
+        ops.attention(q3, kc, vc, positions, starts, scale, windows[layer], softcap, attn)
         wo = _rows(file, where, w + 3)
         attn2 = attn.reshape((n, attn.shape[1] * attn.shape[2]))
-        qmatmul_add(wo, attn2, x, kernels[layer, 3], block_sizes[layer, 1], q8k[layer, 1])
+        out = qmatmul(wo, attn2, kernels[layer, 3], block_sizes[layer, 1], q8k[layer, 1])
+        _add_branch(x, out, post_norms[layer, 0] if post_norms.shape[1] else post_norms[0, 0], eps)
         gate_up = (_rows(file, where, w + 4), _rows(file, where, w + 5))
         gate, up = norm_qmatmul_many(
             gate_up, x, norms[layer, 1], eps, kernels[layer, 4:6], block_sizes[layer, 2],
             q8k[layer, 2],
         )  # fmt: skip
+        gated = np.empty_like(gate)
+        if gelu:
+            ops.gelu_mul(gate, up, gated)
+        else:
+            ops.silu_mul(gate, up, gated)
         down = _rows(file, where, w + 6)
-        silu_qmatmul_add(down, gate, up, x, kernels[layer, 6], block_sizes[layer, 3], q8k[layer, 3])
+        out = qmatmul(down, gated, kernels[layer, 6], block_sizes[layer, 3], q8k[layer, 3])
+        _add_branch(x, out, post_norms[layer, 1] if post_norms.shape[1] else post_norms[0, 0], eps)
     return x
 
 
@@ -83,9 +113,21 @@ def _file_of(raw: np.ndarray) -> np.ndarray:
     return raw
 
 
-def supported(layers) -> bool:
+def supported(layers, block) -> bool:
     """All matrices in integer-kernel formats and views of one file, Q/K/V and gate/up each
-    sharing one activation format."""
+    sharing one activation format; every layer's RoPE of one layout and frequency factors
+    (their bases and scales may differ)."""
+    first = block.layers[0].rope
+
+    def same_layout(r) -> bool:
+        if (r.n_dims, r.neox) != (first.n_dims, first.neox):
+            return False
+        if r.freq_factors is None or first.freq_factors is None:
+            return r.freq_factors is first.freq_factors
+        return np.array_equal(r.freq_factors, first.freq_factors)
+
+    if not all(same_layout(spec.rope) for spec in block.layers):
+        return False
     files = set()
     for layer in layers:
         ws = [getattr(layer, name) for name in MATRICES]
@@ -98,35 +140,51 @@ def supported(layers) -> bool:
     return len(files) == 1 and _file_of(layers[0].wq.raw).ndim == 1
 
 
+def _stacked(layers, names: tuple[str, ...]) -> np.ndarray:
+    """Per-layer vectors stacked [L, len(names), m]; [L, 0, 0] where the layers have none."""
+    if getattr(layers[0], names[0]) is None:
+        return np.zeros((len(layers), 0, 0), np.float32)
+    return np.stack([np.stack([getattr(layer, a) for a in names]) for layer in layers])
+
+
 class CompiledBlocks:
     """stack(x, k_cache, v_cache, positions, slots, starts) -> x for one model's layers
-    (which `supported` accepts)."""
+    (which `supported` accepts), computing as their BlockSpec describes."""
 
-    def __init__(self, layers, eps: float, rope, scale: float):
+    def __init__(self, layers, eps: float, block):
         ws = [getattr(layer, name) for layer in layers for name in MATRICES]
         self.file, self.where = kernel_bytes_in_one_buffer(ws)  # repacked, as one array
         self.kernels = np.array([w.kernel for w in ws], np.int64).reshape(len(layers), 7)
         products = [(layer.wq, layer.wo, layer.w_gate, layer.w_down) for layer in layers]
         self.block_sizes = np.array([[w.format.block_size for w in p] for p in products], np.int64)
         self.q8k = np.array([[w.format.activation == "Q8_K" for w in p] for p in products])
-        self.norms = np.stack([np.stack([layer.attn_norm, layer.ffn_norm]) for layer in layers])
+        self.norms = _stacked(layers, ("attn_norm", "ffn_norm"))
         self.biases = [
             np.stack([getattr(layer, b) for layer in layers])
             if layers[0].bq is not None
             else np.zeros((len(layers), 0), np.float32)
             for b in ("bq", "bk", "bv")
         ]
+        self.head_norms = _stacked(layers, ("q_norm", "k_norm"))
+        self.post_norms = _stacked(layers, ("attn_post_norm", "ffn_post_norm"))
         self.eps = float(eps)
-        self.rope_config = (rope.n_dims, float(rope.freq_base), float(rope.freq_scale), rope.neox)
-        factors = np.zeros(0) if rope.freq_factors is None else rope.freq_factors
+        ropes = [spec.rope for spec in block.layers]
+        self.rope_dims, self.rope_neox = ropes[0].n_dims, ropes[0].neox
+        self.rope_bases = np.array([r.freq_base for r in ropes], np.float64)
+        self.rope_scales = np.array([r.freq_scale for r in ropes], np.float64)
+        factors = np.zeros(0) if ropes[0].freq_factors is None else ropes[0].freq_factors
         self.factors = np.ascontiguousarray(factors, np.float32)
-        self.scale = np.float32(scale)
+        self.windows = np.array([spec.window for spec in block.layers], np.int64)
+        self.scale = np.float32(block.attn_scale)
+        self.softcap = np.float32(block.attn_softcap)
+        self.gelu = block.activation == GELU_TANH
 
     def __call__(self, x, k_cache, v_cache, positions, slots, starts):
         return run_blocks(
             np.ascontiguousarray(x, np.float32), self.file, self.where, self.kernels,
-            self.block_sizes, self.q8k, self.norms, *self.biases, k_cache, v_cache,
-            np.ascontiguousarray(positions, np.int32), np.ascontiguousarray(slots, np.int32),
-            np.ascontiguousarray(starts, np.int32), self.eps, self.rope_config, self.factors,
-            self.scale,
+            self.block_sizes, self.q8k, self.norms, *self.biases, self.head_norms,
+            self.post_norms, k_cache, v_cache, np.ascontiguousarray(positions, np.int32),
+            np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(starts, np.int32),
+            self.eps, self.rope_dims, self.rope_neox, self.rope_bases, self.rope_scales,
+            self.factors, self.windows, self.scale, self.softcap, self.gelu,
         )  # fmt: skip

@@ -17,6 +17,7 @@ import cupy as cp
 import numpy as np
 from cupy_backends.cuda.libs import cublas
 
+from fastrun.backends import block
 from fastrun.backends.base import Backend, RopeConfig, Weight
 from fastrun.backends.cuda.graphs import StepGraph, host_result
 from fastrun.backends.cuda.launch import Launcher
@@ -158,6 +159,7 @@ class CUDABackend(Backend):
     """Raw CUDA kernels through CuPy; one device, one stream (CuPy's current one)."""
 
     name = "cuda"
+    features = frozenset(block.FEATURES)
 
     def __init__(self, device: int = 0):
         self.device = device
@@ -427,6 +429,21 @@ class CUDABackend(Backend):
         self.k("silu_mul")(((gate.size + 255) // 256,), (256,), (gate, up, y, np.int64(gate.size)))
         return y
 
+    def gelu_mul(self, gate, up):
+        gate, up = cp.ascontiguousarray(gate), cp.ascontiguousarray(up)
+        y = cp.empty_like(gate)
+        self.k("gelu_mul")(((gate.size + 255) // 256,), (256,), (gate, up, y, np.int64(gate.size)))
+        return y
+
+    def scale(self, x, factor):
+        x *= np.float32(factor)
+        return x
+
+    def softcap(self, x, cap):
+        x = cp.ascontiguousarray(x)
+        self.k("softcap")(((x.size + 255) // 256,), (256,), (x, np.int64(x.size), np.float32(cap)))
+        return x
+
     def add(self, x, y):
         x += y
         return x
@@ -476,7 +493,7 @@ class CUDABackend(Backend):
         self.k("rope_kv")((n, h + hk), (64,), args)
         return q_out
 
-    def attention(self, q, k_cache, v_cache, positions, scale, starts=None):
+    def attention(self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0):
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         n, h, hd = q.shape
         hk = k_cache.shape[1]
@@ -485,7 +502,10 @@ class CUDABackend(Backend):
         else:
             longest = int(np.max(positions)) + 1
         if n >= DENSE_ROWS and hd in ATTN_TILE_DIMS and not isinstance(positions, cp.ndarray):
-            return self._attention_tiles(q, k_cache, v_cache, positions, scale, starts)
+            args = (q, k_cache, v_cache, positions, scale, starts, window, softcap)
+            return self._attention_tiles(*args)
+        if window > 0:  # a sliding-window layer reads at most its window
+            longest = min(longest, window)
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
         # positions (in whole rounds of loads, ops.cu) and the combine merges them
         splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
@@ -509,10 +529,11 @@ class CUDABackend(Backend):
             args += (*act, _i32(tiled))
         else:
             args += (_NULL, _NULL, _NULL, _i32(0))
+        args += (_i32(window), np.float32(softcap))
         self.k("attn_split")((h, splits, n), (128,), args)
         return out
 
-    def _attention_tiles(self, q, k_cache, v_cache, positions, scale, starts, window=0):
+    def _attention_tiles(self, q, k_cache, v_cache, positions, scale, starts, window, softcap):
         """Attention of many queries (prefill) in tiles of up to ATTN_TILE queries of one
         sequence at consecutive positions, each tile reading its keys once (ops.cu)."""
         n, h, hd = q.shape
@@ -535,7 +556,8 @@ class CUDABackend(Backend):
         args += (self._ints(tiles), out, _i32(h), _i32(k_cache.shape[1]), np.float32(scale))
         row = hd + 8  # halves a staged row (ops.cu)
         shared = (ATTN_TILE + 2 * 32) * row * 2 + ATTN_TILE * 33 * 4
-        self.k(f"attn_tiles_{hd}")((h, len(tiles)), (128,), (*args, _i32(window)), shared)
+        args += (_i32(window), np.float32(softcap))
+        self.k(f"attn_tiles_{hd}")((h, len(tiles)), (128,), args, shared)
         return out
 
     def kv_copy(self, k_cache, v_cache, src, dst, n, shift=0, rope=None):

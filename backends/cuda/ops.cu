@@ -148,6 +148,32 @@ extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __
     if (i < n) y[i] = g[i] / (1.f + (float)exp(-(double)g[i])) * u[i];  // as matmul.cu's silu
 }
 
+// gelu(gate) * up as llama.cpp's CPU geglu: gate rounded to fp16, GELU (tanh form, float)
+// rounded to fp16 as its lookup table holds it; 0 from -10 down, gate itself from 10 up.
+extern "C" __global__ void gelu_mul(const float* __restrict__ g, const float* __restrict__ u,
+                                    float* __restrict__ y, long long n) {
+    pdl_start();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float x = g[i];
+    float gelu = x;
+    if (x <= -10.f) {
+        gelu = 0.f;
+    } else if (x < 10.f) {
+        const float h = __half2float(__float2half_rn(x));
+        const float inner = 0.7978845608028654f * h * (1.f + 0.044715f * h * h);
+        gelu = __half2float(__float2half_rn(0.5f * h * (1.f + tanhf(inner))));
+    }
+    y[i] = gelu * u[i];
+}
+
+// x [n] -> cap * tanh(x / cap) in place (soft-capped logits).
+extern "C" __global__ void softcap(float* __restrict__ x, long long n, float cap) {
+    pdl_start();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
 // k, v [n, hk * hd] float -> cache rows slots[i] of kc, vc [c, hk * hd] half.
 extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v,
                                     __half* __restrict__ kc, __half* __restrict__ vc,
@@ -248,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                float2* __restrict__ part_ml, int* __restrict__ tickets,
                float* __restrict__ out, int h, int hk, int hd, int splits, float scale,
                signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
-               int tiled) {
+               int tiled, int window, float softcap) {
     pdl_start();
     constexpr int WARPS = ATTN_THREADS / 32;
     __shared__ float warp_ml[WARPS][2];  // each warp's running max and sum
@@ -267,15 +293,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     const int stride = WARPS * per_warp;  // positions between a stream's consecutive loads
     // the grid has splits for the whole cache (a graph replays it as the sequence grows);
     // each active one takes whole rounds of loads, the rest leave at once
-    const int len = pos[i] + 1, round = ATTN_DEPTH * stride;
+    // window > 0: the query sees only its last `window` positions, lo .. pos[i]
+    const int lo = window > 0 ? max(0, pos[i] - window + 1) : 0;
+    const int len = pos[i] + 1 - lo, round = ATTN_DEPTH * stride;
     const int share = ((len + splits - 1) / splits + round - 1) / round * round;
     const int active = (len + share - 1) / share;
     const int p0 = split * share, p1 = min(p0 + share, len);
     const long long part = ((long long)i * h + head) * splits + split;
     if (split >= active) return;
     const int kvh = head / (h / hk), row = hk * hd;  // row: halves per cache row
-    kc += (long long)starts[i] * row + kvh * hd;
-    vc += (long long)starts[i] * row + kvh * hd;
+    kc += ((long long)starts[i] + lo) * row + kvh * hd;
+    vc += ((long long)starts[i] + lo) * row + kvh * hd;
     const float* qr = q + ((long long)i * h + head) * hd + 8 * dg;
     float qf[8];
 #pragma unroll
@@ -306,7 +334,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
             }
             for (int o = gp >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
             const bool valid = base + sub + u * stride < p1;
-            sc[u] = valid ? dot * scale : -1e30f;
+            const float score = softcap > 0.f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
+            sc[u] = valid ? score : -1e30f;
             m_new = fmaxf(m_new, sc[u]);
         }
         const float rescale = expf(m - m_new);
@@ -383,7 +412,7 @@ template <int HD>
 __device__ __forceinline__ void attn_tiles_body(
     const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
     const int* __restrict__ pos, const int* __restrict__ starts, const int2* __restrict__ tiles,
-    float* __restrict__ out, int h, int hk, float scale, int window) {
+    float* __restrict__ out, int h, int hk, float scale, int window, float softcap) {
     pdl_start();
     extern __shared__ __align__(16) unsigned char at_smem[];
     constexpr int LD = HD + 8;  // halves a staged row: rows 16 bytes apart on the banks
@@ -464,7 +493,9 @@ __device__ __forceinline__ void attn_tiles_body(
             for (int b = 0; b < 4; ++b) {
                 const int p = kb + kg + b;
                 const bool seen = p <= qpos[a] && (window <= 0 || p > qpos[a] - window);
-                s[a][b] = seen ? s[a][b] * scale : AT_MASKED;
+                const float score = softcap > 0.f ? softcap * tanhf(s[a][b] * scale / softcap)
+                                                  : s[a][b] * scale;
+                s[a][b] = seen ? score : AT_MASKED;
                 m_new = fmaxf(m_new, s[a][b]);
             }
             for (int x = 1; x < 8; x <<= 1)
@@ -522,8 +553,8 @@ __device__ __forceinline__ void attn_tiles_body(
         const float* __restrict__ q, const __half* __restrict__ kc,                            \
         const __half* __restrict__ vc, const int* __restrict__ pos,                            \
         const int* __restrict__ starts, const int2* __restrict__ tiles, float* __restrict__ out, \
-        int h, int hk, float scale, int window) {                                              \
-        attn_tiles_body<HD>(q, kc, vc, pos, starts, tiles, out, h, hk, scale, window);          \
+        int h, int hk, float scale, int window, float softcap) {                               \
+        attn_tiles_body<HD>(q, kc, vc, pos, starts, tiles, out, h, hk, scale, window, softcap); \
     }
 ATTN_TILES(64)
 ATTN_TILES(128)

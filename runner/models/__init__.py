@@ -6,7 +6,7 @@ import importlib
 
 from fastrun.formats.errors import FastrunError
 
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {name: name for name in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")}
 
 
 def model_class(arch: str):

@@ -1,7 +1,8 @@
-"""The decoder-only transformer shared by the llama-family architectures.
+"""The decoder-only transformer shared by every architecture.
 
-An architecture file supplies a config class (how to read its GGUF metadata, which RoPE
-layout it uses); weights and the forward pass live here, once.
+An architecture file supplies a config class: how to read its GGUF metadata and its block
+description (backends/block.py: norms, activation, windows, RoPE per layer, soft-caps); the
+weights and the forward pass that follows the description live here, once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastrun.backends.base import Backend, RopeConfig
+from fastrun.backends.block import SILU, BlockSpec, LayerAttention
 from fastrun.formats import keys
 from fastrun.formats.errors import FastrunError
 from fastrun.formats.gguf import GGUFFile
@@ -39,6 +41,20 @@ class TransformerConfig:
     rope: RopeConfig
 
     neox_rope = False  # the RoPE pair layout; an architecture class overrides it
+
+    def block(self) -> BlockSpec:
+        """The block description (backends/block.py); the llama block here, an architecture
+        class states what its own adds."""
+        return BlockSpec(
+            layers=tuple(LayerAttention(rope=self.rope) for _ in range(self.n_layer)),
+            attn_scale=1.0 / float(np.sqrt(self.head_dim)),
+        )
+
+    @classmethod
+    def arch_fields(cls, f: GGUFFile, common: dict) -> dict:
+        """Values of the architecture's own fields (those beyond TransformerConfig's) read from
+        its metadata; `common` holds the shared ones already read, which it may replace."""
+        return {}
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> TransformerConfig:
@@ -85,7 +101,7 @@ class TransformerConfig:
             neox=cls.neox_rope,
             freq_factors=factors,
         )
-        return cls(
+        common = dict(
             arch=f.architecture,
             n_vocab=n_vocab,
             n_embd=n_embd,
@@ -98,6 +114,8 @@ class TransformerConfig:
             rms_eps=f.get(keys.RMS_EPS) or 1e-5,
             rope=rope,
         )
+        own = cls.arch_fields(f, common)  # first: it may refine a shared value (phi3's RoPE)
+        return cls(**common, **own)
 
 
 def _caused_by_interrupt(error: BaseException) -> bool:
@@ -110,22 +128,38 @@ def _caused_by_interrupt(error: BaseException) -> bool:
 
 
 class Layer:
-    """Weights of one transformer block (backend handles)."""
+    """Weights of one transformer block (backend handles); the optional ones are None where
+    the block (BlockSpec) has no use for them."""
 
-    def __init__(self, load, vector, i: int, c: TransformerConfig):
-        d, kv = c.n_embd, c.n_head_kv * c.head_dim
+    def __init__(self, load, load_split, vector, i: int, c: TransformerConfig, spec: BlockSpec):
+        d, q_out, kv = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         self.attn_norm = vector(keys.ATTN_NORM.format(i=i))  # [d]
-        self.wq = load(keys.ATTN_Q.format(i=i), c.n_head * c.head_dim, d)  # [h*hd, d]
-        self.wk = load(keys.ATTN_K.format(i=i), kv, d)  # [hk*hd, d]
-        self.wv = load(keys.ATTN_V.format(i=i), kv, d)  # [hk*hd, d]
+        if spec.fused_qkv:  # one [q_out + 2 kv, d] matrix; its row ranges are the three
+            qkv = load_split(keys.ATTN_QKV.format(i=i), (q_out, kv, kv), d)
+            self.wq, self.wk, self.wv = qkv
+        else:
+            self.wq = load(keys.ATTN_Q.format(i=i), q_out, d)  # [h*hd, d]
+            self.wk = load(keys.ATTN_K.format(i=i), kv, d)  # [hk*hd, d]
+            self.wv = load(keys.ATTN_V.format(i=i), kv, d)  # [hk*hd, d]
         self.bq = vector(keys.ATTN_Q_BIAS.format(i=i), optional=True)  # [h*hd] (qwen2)
         self.bk = vector(keys.ATTN_K_BIAS.format(i=i), optional=True)  # [hk*hd]
         self.bv = vector(keys.ATTN_V_BIAS.format(i=i), optional=True)  # [hk*hd]
-        self.wo = load(keys.ATTN_OUTPUT.format(i=i), d, c.n_head * c.head_dim)  # [d, h*hd]
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = vector(keys.ATTN_Q_NORM.format(i=i))  # [hd]
+            self.k_norm = vector(keys.ATTN_K_NORM.format(i=i))  # [hd]
+        self.wo = load(keys.ATTN_OUTPUT.format(i=i), d, q_out)  # [d, h*hd]
         self.ffn_norm = vector(keys.FFN_NORM.format(i=i))  # [d]
-        self.w_gate = load(keys.FFN_GATE.format(i=i), c.n_ff, d)  # [f, d]
-        self.w_up = load(keys.FFN_UP.format(i=i), c.n_ff, d)  # [f, d]
+        if spec.fused_gate_up:  # ffn_up holds gate's rows, then up's: [2 f, d]
+            self.w_gate, self.w_up = load_split(keys.FFN_UP.format(i=i), (c.n_ff, c.n_ff), d)
+        else:
+            self.w_gate = load(keys.FFN_GATE.format(i=i), c.n_ff, d)  # [f, d]
+            self.w_up = load(keys.FFN_UP.format(i=i), c.n_ff, d)  # [f, d]
         self.w_down = load(keys.FFN_DOWN.format(i=i), d, c.n_ff)  # [d, f]
+        self.attn_post_norm = self.ffn_post_norm = None
+        if spec.post_norms:
+            self.attn_post_norm = vector(keys.ATTN_POST_NORM.format(i=i))  # [d]
+            self.ffn_post_norm = vector(keys.FFN_POST_NORM.format(i=i))  # [d]
 
 
 class Transformer:
@@ -137,21 +171,36 @@ class Transformer:
         self.file = f  # keeps the memory map (and the weights' views) alive
         self.backend = backend
         self.config = c = self.config_class.from_gguf(f)
+        self.block = spec = c.block()
+        spec.check_backend(backend, c.arch)
 
         def load(name: str, n_out: int, n_in: int):
+            return load_split(name, (n_out,), n_in)[0]
+
+        def load_split(name: str, n_outs: tuple[int, ...], n_in: int) -> list:
+            """A matrix of sum(n_outs) rows as one weight per consecutive run of n_outs rows."""
             info = f.tensor(name)
             rows, cols = info.matrix_shape
-            if (rows, cols) != (n_out, n_in):
-                raise FastrunError(f"{name}: shape {list(info.shape)}, expected [{n_in}, {n_out}]")
+            if (rows, cols) != (sum(n_outs), n_in):
+                raise FastrunError(
+                    f"{name}: shape {list(info.shape)}, expected [{n_in}, {sum(n_outs)}]"
+                )
             if progress:
                 progress(info.n_bytes)
-            return backend.load_weight(f.tensor_bytes(name), info.format.name, n_out, n_in)
+            raw, qtype, first = f.tensor_bytes(name), info.format.name, 0
+            parts = []
+            for n_out in n_outs:
+                parts.append(backend.load_weight(raw[first : first + n_out], qtype, n_out, n_in))
+                first += n_out
+            return parts
 
         # Every vector's length, by name: the compiled kernels read them without bounds checks.
         q_out, kv_out = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         vector_lengths = {
             keys.ATTN_NORM: c.n_embd, keys.FFN_NORM: c.n_embd, keys.OUTPUT_NORM: c.n_embd,
             keys.ATTN_Q_BIAS: q_out, keys.ATTN_K_BIAS: kv_out, keys.ATTN_V_BIAS: kv_out,
+            keys.ATTN_Q_NORM: c.head_dim, keys.ATTN_K_NORM: c.head_dim,
+            keys.ATTN_POST_NORM: c.n_embd, keys.FFN_POST_NORM: c.n_embd,
         }  # fmt: skip
         # Vectors that come only together: a Q bias without K and V biases cannot be applied.
         together = {keys.ATTN_Q_BIAS: (keys.ATTN_K_BIAS, keys.ATTN_V_BIAS)}
@@ -176,18 +225,22 @@ class Transformer:
             )
 
         self.token_embd = load(keys.TOKEN_EMBD, c.n_vocab, c.n_embd)  # [vocab, d]
-        self.layers = [Layer(load, vector, i, c) for i in range(c.n_layer)]
+        self.layers = [Layer(load, load_split, vector, i, c, spec) for i in range(c.n_layer)]
         self.output_norm = vector(keys.OUTPUT_NORM)  # [d]
         tied = keys.OUTPUT not in f.tensors
         self.output = self.token_embd if tied else load(keys.OUTPUT, c.n_vocab, c.n_embd)
-        self.attn_scale = 1.0 / float(np.sqrt(c.head_dim))
         # the blocks below as one backend call where the backend has one (CPU: compiled)
-        self._stack = backend.layer_stack(self.layers, c.rms_eps, c.rope, self.attn_scale)
+        self._stack = backend.layer_stack(self.layers, c.rms_eps, spec)
 
     def new_cells(self, n_seq: int, n_ctx: int) -> KVCells:
         """KV storage for n_seq sequences of n_ctx tokens each."""
         c = self.config
         return KVCells(self.backend, c.n_layer, n_seq, n_ctx, c.n_head_kv, c.head_dim)
+
+    @property
+    def layer_ropes(self) -> list:
+        """Each layer's RoPE, as a context shift re-rotates that layer's keys."""
+        return [at.rope for at in self.block.layers]
 
     def new_cache(self, n_ctx: int) -> KVCache:
         """The cells of one sequence, alone in its storage."""
@@ -253,15 +306,17 @@ class Transformer:
         (ids, logits) of them; None for outputs of length 0 (only the cache matters). ids,
         positions and starts (each token's sequence's first cache row) may be on the host or
         the backend."""
-        b, c = self.backend, self.config
+        b, c, spec = self.backend, self.config, self.block
         slots = starts + positions
         x = b.embed(self.token_embd, ids)  # [n, d]
+        if spec.embed_scale != 1.0:
+            x = b.scale(x, spec.embed_scale)
         if self._stack is not None:  # the backend runs every block in one call
             x = self._stack(x, cells.k, cells.v, positions, slots, starts)
         else:
             for i, layer in enumerate(self.layers):
                 kv = (cells.k[i], cells.v[i])
-                x = self._attention_block(x, layer, kv, positions, slots, starts)
+                x = self._attention_block(x, layer, spec.layers[i], kv, positions, slots, starts)
                 x = self._ffn_block(x, layer)
         if outputs is not None:
             if len(outputs) == 0:
@@ -269,18 +324,34 @@ class Transformer:
             x = b.gather_rows(x, outputs)
         x = b.rms_norm(x, self.output_norm, c.rms_eps)
         logits = b.matmul(x, self.output)
+        if spec.final_softcap > 0:
+            logits = b.softcap(logits, spec.final_softcap)
         return b.top_k(logits, top_k) if top_k else logits
 
-    def _attention_block(self, x, layer: Layer, kv, positions, slots, starts):
-        b, c = self.backend, self.config
+    def _attention_block(self, x, layer: Layer, at: LayerAttention, kv, positions, slots, starts):
+        b, c, spec = self.backend, self.config, self.block
         ws = [layer.wq, layer.wk, layer.wv]
         q, k, v = b.norm_matmul_many(x, layer.attn_norm, c.rms_eps, ws)  # [n, h*hd], [n, hk*hd] x 2
+        if spec.qk_norm:  # each head's RMSNorm: rows of hd
+            n = q.shape[0]
+            q = b.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, c.rms_eps).reshape(n, -1)
+            k = b.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, c.rms_eps).reshape(n, -1)
         biases = None if layer.bq is None else (layer.bq, layer.bk, layer.bv)
-        q = b.attention_inputs(q, k, v, biases, *kv, positions, slots, c.rope)  # [n, h, hd]
-        attn = b.attention(q, *kv, positions, self.attn_scale, starts)  # [n, h*hd]
-        return b.matmul_add(attn, layer.wo, x)
+        q = b.attention_inputs(q, k, v, biases, *kv, positions, slots, at.rope)  # [n, h, hd]
+        attn = b.attention(
+            q, *kv, positions, spec.attn_scale, starts, at.window, spec.attn_softcap
+        )  # [n, h*hd]
+        if layer.attn_post_norm is None:
+            return b.matmul_add(attn, layer.wo, x)
+        return b.add(x, b.rms_norm(b.matmul(attn, layer.wo), layer.attn_post_norm, c.rms_eps))
 
     def _ffn_block(self, x, layer: Layer):
-        b, c = self.backend, self.config
+        b, c, spec = self.backend, self.config, self.block
         gate, up = b.norm_matmul_many(x, layer.ffn_norm, c.rms_eps, [layer.w_gate, layer.w_up])
-        return b.silu_mul_matmul_add(gate, up, layer.w_down, x)  # x + (silu(gate) * up) @ down
+        if spec.activation == SILU and layer.ffn_post_norm is None:
+            return b.silu_mul_matmul_add(gate, up, layer.w_down, x)  # x + (silu(gate) * up) @ down
+        gated = b.silu_mul(gate, up) if spec.activation == SILU else b.gelu_mul(gate, up)
+        down = b.matmul(gated, layer.w_down)  # [n, d]
+        if layer.ffn_post_norm is not None:
+            down = b.rms_norm(down, layer.ffn_post_norm, c.rms_eps)
+        return b.add(x, down)
