@@ -332,9 +332,23 @@ def test_cuda_greedy_speculation_equals_plain(tiny_model, draft_model, smollm2_p
         extra = dict(lookup=True) if kind == "lookup" else dict(draft=draft)
         m = Model(path, backend="cuda", n_ctx=256, parallel=2, **extra)
         got = m.generate_batch(prompts, **LONG_GREEDY)
+        for prompt, completion, wanted in zip(prompts, got, expect, strict=True):
+            _equal_up_to_a_near_tie(m, prompt, completion.tokens, wanted)
         m.close()
-        assert [c.tokens for c in got] == expect
         assert sum(c.drafted_tokens for c in got) > 0
+
+
+def _equal_up_to_a_near_tie(model, prompt, tokens, wanted, tie=0.1):
+    """Greedy tokens equal until the first position where the plain run's two best choices
+    lie within `tie`: CUDA's checking passes multiply several rows through other kernels
+    than a one-token step, so their float sums may break a near tie the other way."""
+    same = next((i for i, (a, b) in enumerate(zip(tokens, wanted, strict=False)) if a != b), None)
+    if same is None:
+        assert len(tokens) == len(wanted)
+        return
+    logprobs = model.logprobs(list(prompt) + list(wanted[:same]))[-1]
+    best, second = np.sort(logprobs)[-2:][::-1]
+    assert best - second < tie, f"departs at token {same} where the margin is {best - second:.3f}"
 
 
 LONG_GREEDY = dict(max_tokens=120, temperature=0, ignore_eos=True)
