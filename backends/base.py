@@ -126,14 +126,18 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(
-        self, q, k_cache, v_cache, positions, scale: float, starts=None, window=0, softcap=0.0
-    ):
-        """Causal attention: query i [h, hd] of q [n, h, hd] attends to cache slots
-        starts[i] + 0..positions[i] (starts: int32 [n], the first slot of each query's
-        sequence; None: all 0); heads share kv heads in groups of h // hk. Scores are
-        q . k * scale, then softcap * tanh(score / softcap) where softcap > 0. window > 0:
-        only the last `window` positions, positions[i] - window + 1 .. positions[i] (a
-        sliding-window layer). Returns [n, h * hd]."""
+        self, q, k_cache, v_cache, positions, scale: float, starts=None, window=0, softcap=0.0,
+        ring=0, offsets=None,
+    ):  # fmt: skip
+        """Causal attention: query i [h, hd] of q [n, h, hd] attends to the cache slots of
+        positions 0..positions[i] of its sequence, in that order: slot starts[i] + p
+        (starts: int32 [n], the first slot of each query's sequence; None: all 0), or with
+        ring > 0 (a sliding-window layer's ring of `ring` slots a sequence) slot starts[i] +
+        (p + offsets[i]) % ring (offsets: int32 [n], each query's sequence's ring offset).
+        Heads share kv heads in groups of h // hk. Scores are q . k * scale, then softcap *
+        tanh(score / softcap) where softcap > 0. window > 0: only the last `window`
+        positions, positions[i] - window + 1 .. positions[i] (a ring needs one, smaller than
+        ring). Returns [n, h * hd]."""
 
     def kv_copy(self, k_cache, v_cache, src: int, dst: int, n: int, shift: int = 0, rope=None):
         """Copy rows src .. src + n of every layer of k_cache, v_cache [n_layer, c, hk, hd] to
@@ -147,6 +151,15 @@ class Backend(ABC):
             if shift:
                 k = self.rope(k, np.full(n, shift, np.int32), rope)
             self.kv_write(k_cache[layer], v_cache[layer], k, v, slots)
+
+    def kv_move(self, k_cache, v_cache, src_rows, dst_rows) -> None:
+        """Rows src_rows[j] of every layer of k_cache, v_cache [n_layer, c, hk, hd] to rows
+        dst_rows[j] (host int arrays; every row is read before any is written): a context
+        shift's kept tokens moving within a ring. The default indexes the arrays."""
+        src, dst = np.asarray(src_rows, np.int64), np.asarray(dst_rows, np.int64)
+        k, v = k_cache[:, src], v_cache[:, src]  # copies
+        k_cache[:, dst] = k
+        v_cache[:, dst] = v
 
     # -- fused steps: the defaults compose the operations above; a backend may do each in one
     # pass (the CUDA backend does, to cut kernel launches per token) --------------------------
@@ -177,10 +190,13 @@ class Backend(ABC):
 
     def layer_stack(self, layers, eps: float, block):
         """All transformer blocks (the model's Layer objects, computing as block: BlockSpec
-        describes) as one callable, stack(x, k_cache, v_cache, positions, slots, starts) -> x
-        with the caches as [n_layer, rows, hk, hd], doing the arithmetic of the steps above;
-        None where this backend has none for these weights (the model then calls the steps
-        block by block)."""
+        describes) as one callable, stack(x, positions, placement, full, ring) -> x, doing
+        the arithmetic of the steps above; None where this backend has none for these
+        weights (the model then calls the steps block by block). The KV cells: full =
+        (k_cache, v_cache, slots, starts) of the full-context layers, ring = (k_cache,
+        v_cache, slots, starts, offsets, R) of the ring layers (runner/kv_cache.py), caches
+        as [layers, rows, hk, hd]; placement int64 [n_layer, 2]: each layer's (in the ring,
+        index in its storage)."""
         return None
 
     # -- whole decode steps -------------------------------------------------------------------

@@ -153,7 +153,10 @@ class ReferenceBackend(Backend):
         k_cache[slots] = fp16_round(k)
         v_cache[slots] = fp16_round(v)
 
-    def attention(self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0):
+    def attention(
+        self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0,
+        ring=0, offsets=None,
+    ):  # fmt: skip
         n, h, hd = q.shape
         group = h // k_cache.shape[1]
         qh = fp16_round(q)
@@ -161,7 +164,11 @@ class ReferenceBackend(Backend):
         for i in range(n):
             first = 0 if starts is None else int(starts[i])
             seen = int(positions[i]) + 1 if window <= 0 else min(window, int(positions[i]) + 1)
-            rows = slice(first + int(positions[i]) + 1 - seen, first + int(positions[i]) + 1)
+            seen_positions = np.arange(int(positions[i]) + 1 - seen, int(positions[i]) + 1)
+            if ring > 0:  # a sliding-window layer's ring of slots
+                rows = first + (seen_positions + int(offsets[i])) % ring
+            else:
+                rows = first + seen_positions
             for j in range(h):
                 k = k_cache[rows, j // group].astype(np.float64)
                 s = k @ qh[i, j].astype(np.float64) * scale

@@ -81,7 +81,9 @@ class Model:
         self.config = self.transformer.config
         self.template = ChatTemplate.for_file(self.file, self.tokenizer)
         self.n_ctx = int(n_ctx or min(DEFAULT_CTX, self.config.n_ctx_train))
-        validate.check_context_size(self.n_ctx, self.config, self.backend, n_seq=parallel)
+        validate.check_context_size(
+            self.n_ctx, self.config, self.backend, n_seq=parallel, max_pass=batch_size
+        )
         settings = EngineSettings(
             parallel=parallel, n_ctx=self.n_ctx, batch_size=batch_size, n_keep=n_keep,
             context_shift=context_shift, max_queue=max_queue,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastrun.formats.errors import FastrunError
 from fastrun.runner.kv_cache import KVCache
 
 # Tokens of one sequence in a step (a pass that every backend runs as a decode step, CUDA as a
@@ -21,8 +22,11 @@ class Batch:
         self._ids: list[int] = []
         self._positions: list[int] = []
         self._starts: list[int] = []
+        self._ring_starts: list[int] = []
+        self._offsets: list[int] = []
         self._outputs: list[int] = []
         self._undo: list[tuple[KVCache, int]] = []  # each cache's length before this batch
+        self._added: dict[int, int] = {}  # tokens this pass adds to each cache (by id)
         self._longest = 0  # the most tokens one add() brought
         self._arrays: tuple | None = None
 
@@ -35,13 +39,21 @@ class Batch:
         the rows whose logits the pass returns. Returns the place of this sequence's first
         output among the pass's outputs."""
         ids = [int(i) for i in ids]
+        added = self._added.get(id(cache), 0) + len(ids)
+        if cache.cells.ring and added > cache.cells.max_pass:  # its ring holds no more
+            raise FastrunError(
+                f"a pass adds {added} tokens to one sequence; its cells take {cache.cells.max_pass}"
+            )
         first = cache.append(ids)
+        self._added[id(cache)] = added
         self._undo.append((cache, first))
         self._longest = max(self._longest, len(ids))
         row, place = len(self._ids), len(self._outputs)
         self._ids += ids
         self._positions += range(first, first + len(ids))
         self._starts += [cache.base] * len(ids)
+        self._ring_starts += [cache.ring_base] * len(ids)
+        self._offsets += [cache.ring_offset] * len(ids)
         if logits == "all":
             self._outputs += range(row, row + len(ids))
         elif logits == "last":
@@ -58,8 +70,11 @@ class Batch:
         if self._arrays is None:
             self._arrays = tuple(
                 np.array(v, np.int32)
-                for v in (self._ids, self._positions, self._starts, self._outputs)
-            )
+                for v in (
+                    self._ids, self._positions, self._starts, self._outputs,
+                    self._ring_starts, self._offsets,
+                )
+            )  # fmt: skip
         return self._arrays
 
     @property
@@ -73,6 +88,14 @@ class Batch:
     @property
     def starts(self) -> np.ndarray:  # int32 [n]: the first cache row of each token's sequence
         return self._made()[2]
+
+    @property
+    def ring_starts(self) -> np.ndarray:  # int32 [n]: the first ring row of each token's sequence
+        return self._made()[4]
+
+    @property
+    def offsets(self) -> np.ndarray:  # int32 [n]: each token's sequence's ring offset
+        return self._made()[5]
 
     @property
     def outputs(self) -> np.ndarray:  # int32 [m]: the rows whose logits are returned

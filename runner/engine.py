@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from fastrun.backends.base import top_k_host
 from fastrun.formats.errors import FastrunError
-from fastrun.runner.batch import Batch
+from fastrun.runner.batch import MAX_STEP_TOKENS, Batch
 from fastrun.runner.generate import Completion, Continuation, Token, log_softmax
 from fastrun.runner.kv_cache import KVCache
 from fastrun.runner.sampling import Candidates, Sampler, SamplingParams
@@ -152,7 +152,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.settings = settings
         self.speculator = speculator
-        self.cells = transformer.new_cells(settings.parallel, settings.n_ctx)
+        # a pass adds at most batch_size tokens to a sequence (a decode step with drafts: up
+        # to MAX_STEP_TOKENS); that sizes the sliding-window layers' rings
+        max_pass = max(settings.batch_size, MAX_STEP_TOKENS)
+        self.cells = transformer.new_cells(settings.parallel, settings.n_ctx, max_pass)
         self._free: deque[KVCache] = deque(self.cells.sequences)  # least recently used first
         self._waiting: deque[Request] = deque()
         self._prefilling: deque[Request] = deque()
@@ -279,11 +282,12 @@ class Engine:
         """A free sequence for a prompt and how many of its ids are already in it (copied from
         the sequence, live or finished, that shares the longest prefix)."""
         limit = len(prompt) - 1  # the last id always runs: its logits start the generation
-        best_free = max(self._free, key=lambda s: min(s.common_prefix(prompt), limit))
-        reused = min(best_free.common_prefix(prompt), limit)
+        # (a sliding-window layer's ring may no longer hold what a prefix needs: reusable_prefix)
+        best_free = max(self._free, key=lambda s: s.reusable_prefix(prompt, limit))
+        reused = best_free.reusable_prefix(prompt, limit)
         live = [r.cache for r in [*self._decoding, *self._prefilling]]
-        source = max(live, key=lambda s: s.common_prefix(prompt), default=None)
-        shared = 0 if source is None else min(source.common_prefix(prompt), limit)
+        source = max(live, key=lambda s: s.reusable_prefix(prompt, limit), default=None)
+        shared = 0 if source is None else source.reusable_prefix(prompt, limit)
         if shared > reused:  # copy from a live sequence into the least recently used free one
             cache = self._free.popleft()
             cache.copy_prefix(source, shared)

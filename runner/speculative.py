@@ -325,7 +325,7 @@ class ModelDrafter:
     def __init__(self, transformer, tokenizer, n_seq: int, n_ctx: int, p_min: float, chunk: int):
         self.transformer = transformer
         self.tokenizer = tokenizer
-        self.cells = transformer.new_cells(n_seq, n_ctx)
+        self.cells = transformer.new_cells(n_seq, n_ctx, max(chunk, MAX_STEP_TOKENS))
         self.p_min = p_min
         self.chunk = chunk  # tokens of one catch-up pass at most (a new prompt, a shift)
         self.costs = PassCosts(unknown=0.0)  # free until measured: the first draft tries it
@@ -356,7 +356,7 @@ class ModelDrafter:
             context = request.cache.tokens + [request.next_token]
             cache = self._cache(request)
             # the last token always runs again: its logits give the first draft
-            cache.trim(min(cache.common_prefix(context), len(context) - 1))
+            cache.trim(cache.reusable_prefix(context, len(context) - 1))
             todo[request] = (state, k, context[cache.length :], Draft(self.kind, [], []))
         self._catch_up(todo)
         drafts = {request: entry[3] for request, entry in todo.items()}

@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 
 from fastrun.formats.errors import FastrunError
+from fastrun.runner.kv_cache import storage_rows
 
 MAX_POSITIONS = (1 << 31) - 1  # positions and cache rows are int32 in every kernel
 MAX_SEED = (1 << 64) - 1
@@ -94,14 +95,16 @@ def available_memory(backend) -> int | None:
         return None
 
 
-def kv_cache_bytes(n_ctx: int, config, backend, n_seq: int = 1) -> int:
-    """Bytes of the keys and values of n_seq sequences of n_ctx positions."""
+def kv_cache_bytes(n_ctx: int, config, backend, n_seq: int = 1, max_pass: int = 512) -> int:
+    """Bytes of the keys and values of n_seq sequences of n_ctx positions, whose passes add at
+    most max_pass tokens to a sequence (sliding-window layers keep rings: runner/kv_cache.py)."""
     itemsize = np.dtype(backend.zeros((1,)).dtype).itemsize  # float32 on the CPU, fp16 on CUDA
-    rows = n_seq * n_ctx + 1  # and the padding row of a decode step
-    return 2 * config.n_layer * rows * config.n_head_kv * config.head_dim * itemsize
+    windows = [at.window for at in config.block().layers]
+    rows = sum(layers * n for layers, n in storage_rows(windows, n_seq, n_ctx, max_pass).values())
+    return 2 * rows * config.n_head_kv * config.head_dim * itemsize
 
 
-def check_context_size(n_ctx, config, backend, n_seq: int = 1) -> None:
+def check_context_size(n_ctx, config, backend, n_seq: int = 1, max_pass: int = 512) -> None:
     """Refuse a context (of each of n_seq parallel sequences) that the KV cache cannot hold in
     memory; warn above the training context."""
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, int | np.integer):
@@ -110,7 +113,8 @@ def check_context_size(n_ctx, config, backend, n_seq: int = 1) -> None:
         raise FastrunError(
             f"context size {n_ctx} x {n_seq} sequences is outside 2..{MAX_POSITIONS}"
         )
-    need, free = kv_cache_bytes(n_ctx, config, backend, n_seq), available_memory(backend)
+    need = kv_cache_bytes(n_ctx, config, backend, n_seq, max_pass)
+    free = available_memory(backend)
     if free is not None and need > free:
         sequences = f" x {n_seq} parallel sequences" if n_seq > 1 else ""
         raise FastrunError(

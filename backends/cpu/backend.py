@@ -207,14 +207,18 @@ class CPUBackend(Backend):
     def kv_write(self, k_cache, v_cache, k, v, slots):
         ops.kv_store(k_cache, v_cache, k, np.ascontiguousarray(v), np.asarray(slots, np.int32))
 
-    def attention(self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0):
+    def attention(
+        self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0,
+        ring=0, offsets=None,
+    ):  # fmt: skip
         n, h, hd = q.shape
         out = np.empty((n, h, hd), np.float32)
         positions = np.ascontiguousarray(positions, np.int32)
         starts = np.zeros_like(positions) if starts is None else np.asarray(starts, np.int32)
+        offsets = np.zeros_like(positions) if offsets is None else np.asarray(offsets, np.int32)
         q = np.ascontiguousarray(q)
-        args = (np.float32(scale), np.int64(window), np.float32(softcap))
-        ops.attention(q, k_cache, v_cache, positions, starts, *args, out)
+        args = (np.float32(scale), np.int64(window), np.float32(softcap), np.int64(ring))
+        ops.attention(q, k_cache, v_cache, positions, starts, *args, offsets, out)
         return out.reshape(n, h * hd)
 
 

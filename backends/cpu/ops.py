@@ -107,13 +107,15 @@ def gelu_mul(gate, up, out):
 
 
 @nb.njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, out):
+def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ring, offsets, out):
     """Causal attention over the cache, one (token, head) pair per task, online softmax.
 
     q [n, h, hd], k_cache/v_cache [c, hk, hd], positions and starts (each query's first cache
     row) int32 [n], out [n, h, hd]; window > 0: only the last `window` positions; softcap >
-    0: scores -> softcap * tanh(score / softcap). Memory is O(hd) per task: no n x n score
-    matrix, whatever the prompt length.
+    0: scores -> softcap * tanh(score / softcap); ring > 0: position p of query t's sequence
+    is row starts[t] + (p + offsets[t]) % ring (a sliding-window layer's ring), else
+    starts[t] + p. Positions are visited in order either way (the same sums). Memory is
+    O(hd) per task: no n x n score matrix, whatever the prompt length.
     """
     n, h, hd = q.shape
     group = h // k_cache.shape[1]
@@ -127,8 +129,9 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ou
         acc = np.zeros(hd, np.float32)
         m = -np.inf
         total = np.float32(0)
-        first = starts[t] + (max(0, positions[t] - window + 1) if window > 0 else 0)
-        for s in range(first, starts[t] + positions[t] + 1):
+        lo = max(0, positions[t] - window + 1) if window > 0 else 0
+        s = starts[t] + (lo if ring <= 0 else (lo + offsets[t]) % ring)
+        for _ in range(lo, positions[t] + 1):
             score = _dot_row(qf, k_cache, s, kv) * scale
             if softcap > 0:
                 score = softcap * np.float32(math.tanh(score / softcap))
@@ -142,5 +145,8 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ou
             total += p
             for i in range(hd):
                 acc[i] += p * v_cache[s, kv, i]
+            s += 1
+            if ring > 0 and s == starts[t] + ring:  # the ring's end: on from its first row
+                s = starts[t]
         for i in range(hd):
             out[t, j, i] = acc[i] / total

@@ -52,8 +52,9 @@ def _add_branch(x, branch, post_norm, eps):
 @nb.njit(**_JIT)
 def run_blocks(
     x, file, where, kernels, block_sizes, q8k, norms, bq, bk, bv, head_norms, post_norms,
-    k_cache, v_cache, positions, slots, starts, eps, rope_dims, rope_neox, rope_bases,
-    rope_scales, factors, windows, scale, softcap, gelu,
+    positions, placement, k_cache, v_cache, slots, starts, ring_k, ring_v, ring_slots,
+    ring_starts, offsets, ring, eps, rope_dims, rope_neox, rope_bases, rope_scales, factors,
+    windows, scale, softcap, gelu,
 ):  # fmt: skip
     """x [n, d] through every block, in place; returns x.
 
@@ -63,11 +64,15 @@ def run_blocks(
     block_sizes int64, q8k bool [L, 4]: the activation format of the QKV, wo, gate/up and
     down products; norms [L, 2, d] (attention, FFN); bq [L, h*hd], bk, bv [L, hk*hd] (or
     [L, 0]: none); head_norms [L, 2, hd] (Q, K; or [L, 0, 0]: none); post_norms [L, 2, d]
-    (attention and FFN outputs; or [L, 0, 0]); k_cache, v_cache [L, rows, hk, hd]; per layer
+    (attention and FFN outputs; or [L, 0, 0]); placement int64 [L, 2]: each layer's (in the
+    ring, index in its storage); k_cache, v_cache [full layers, rows, hk, hd] with their
+    slots and starts; ring_k, ring_v [ring layers, rows, hk, hd] with theirs, the
+    sequences' ring offsets and R (runner/kv_cache.py: 0, no ring layers); per layer
     the RoPE base and scale and the attention window (0: none), float64/int64 [L]; softcap:
     of the attention scores (0: none); gelu: GELU gating, else SiLU (backends/block.py)."""
     n = x.shape[0]
     hd = k_cache.shape[3]
+    no_offsets = np.zeros_like(positions)
     for layer in range(norms.shape[0]):
         w = 7 * layer
         qkv = (_rows(file, where, w), _rows(file, where, w + 1), _rows(file, where, w + 2))
@@ -80,12 +85,19 @@ def run_blocks(
             k_heads = k.reshape((k.size // hd, hd))
             ops.rms_norm(q_heads, head_norms[layer, 0], eps, q_heads)
             ops.rms_norm(k_heads, head_norms[layer, 1], eps, k_heads)
-        kc, vc = k_cache[layer], v_cache[layer]
+        at = placement[layer, 1]
+        if placement[layer, 0]:  # a ring layer: its storage and its ring's rows
+            kc, vc, to, first = ring_k[at], ring_v[at], ring_slots, ring_starts
+            rows, shifted = ring, offsets
+        else:
+            kc, vc, to, first = k_cache[at], v_cache[at], slots, starts
+            rows, shifted = np.int64(0), no_offsets
         biases = (bq[layer], bk[layer], bv[layer])
         rope_config = (rope_dims, rope_bases[layer], rope_scales[layer], rope_neox)
-        q3 = rope_kv(q, k, v, biases, kc, vc, positions, slots, rope_config, factors)
+        q3 = rope_kv(q, k, v, biases, kc, vc, positions, to, rope_config, factors)
         attn = np.empty(q3.shape, np.float32)
-        ops.attention(q3, kc, vc, positions, starts, scale, windows[layer], softcap, attn)
+        window = windows[layer]
+        ops.attention(q3, kc, vc, positions, first, scale, window, softcap, rows, shifted, attn)
         wo = _rows(file, where, w + 3)
         attn2 = attn.reshape((n, attn.shape[1] * attn.shape[2]))
         out = qmatmul(wo, attn2, kernels[layer, 3], block_sizes[layer, 1], q8k[layer, 1])
@@ -148,8 +160,8 @@ def _stacked(layers, names: tuple[str, ...]) -> np.ndarray:
 
 
 class CompiledBlocks:
-    """stack(x, k_cache, v_cache, positions, slots, starts) -> x for one model's layers
-    (which `supported` accepts), computing as their BlockSpec describes."""
+    """stack(x, positions, placement, full, ring) -> x (Backend.layer_stack) for one model's
+    layers (which `supported` accepts), computing as their BlockSpec describes."""
 
     def __init__(self, layers, eps: float, block):
         ws = [getattr(layer, name) for layer in layers for name in MATRICES]
@@ -179,12 +191,17 @@ class CompiledBlocks:
         self.softcap = np.float32(block.attn_softcap)
         self.gelu = block.activation == GELU_TANH
 
-    def __call__(self, x, k_cache, v_cache, positions, slots, starts):
+    def __call__(self, x, positions, placement, full, ring):
+        def ints(a):
+            return np.ascontiguousarray(a, np.int32)
+
+        k_cache, v_cache, slots, starts = full
+        ring_k, ring_v, ring_slots, ring_starts, offsets, rows = ring
         return run_blocks(
             np.ascontiguousarray(x, np.float32), self.file, self.where, self.kernels,
             self.block_sizes, self.q8k, self.norms, *self.biases, self.head_norms,
-            self.post_norms, k_cache, v_cache, np.ascontiguousarray(positions, np.int32),
-            np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(starts, np.int32),
-            self.eps, self.rope_dims, self.rope_neox, self.rope_bases, self.rope_scales,
-            self.factors, self.windows, self.scale, self.softcap, self.gelu,
+            self.post_norms, ints(positions), placement, k_cache, v_cache, ints(slots),
+            ints(starts), ring_k, ring_v, ints(ring_slots), ints(ring_starts), ints(offsets),
+            np.int64(rows), self.eps, self.rope_dims, self.rope_neox, self.rope_bases,
+            self.rope_scales, self.factors, self.windows, self.scale, self.softcap, self.gelu,
         )  # fmt: skip

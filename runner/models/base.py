@@ -232,19 +232,20 @@ class Transformer:
         # the blocks below as one backend call where the backend has one (CPU: compiled)
         self._stack = backend.layer_stack(self.layers, c.rms_eps, spec)
 
-    def new_cells(self, n_seq: int, n_ctx: int) -> KVCells:
-        """KV storage for n_seq sequences of n_ctx tokens each."""
-        c = self.config
-        return KVCells(self.backend, c.n_layer, n_seq, n_ctx, c.n_head_kv, c.head_dim)
+    def new_cells(self, n_seq: int, n_ctx: int, max_pass: int = PREFILL_CHUNK) -> KVCells:
+        """KV storage for n_seq sequences of n_ctx tokens each, whose passes add at most
+        max_pass tokens to a sequence (it sizes the sliding-window layers' rings)."""
+        c, windows = self.config, [at.window for at in self.block.layers]
+        return KVCells(self.backend, windows, n_seq, n_ctx, c.n_head_kv, c.head_dim, max_pass)
 
     @property
     def layer_ropes(self) -> list:
         """Each layer's RoPE, as a context shift re-rotates that layer's keys."""
         return [at.rope for at in self.block.layers]
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def new_cache(self, n_ctx: int, max_pass: int = PREFILL_CHUNK) -> KVCache:
         """The cells of one sequence, alone in its storage."""
-        return self.new_cells(1, n_ctx).sequences[0]
+        return self.new_cells(1, n_ctx, max_pass).sequences[0]
 
     def forward(self, ids, cache: KVCache, all_logits: bool = False, top_k: int = 0):
         """Run new tokens of one sequence through the model (in chunks of PREFILL_CHUNK),
@@ -279,20 +280,22 @@ class Transformer:
         finish (an error, Ctrl-C) leaves the caches as they were."""
         try:
             n, outputs = batch.n, batch.outputs
+            where = (batch.ids, batch.positions, batch.starts, batch.ring_starts, batch.offsets)
             if len(outputs) == 0:  # an inner prefill chunk: only the cells change
-                return self._logits(batch.ids, batch.positions, batch.starts, cells, outputs, 0)
+                return self._logits(where, cells, outputs, 0)
             if not (capture and batch.is_decode):
-                out = self._logits(batch.ids, batch.positions, batch.starts, cells, outputs, top_k)
+                out = self._logits(where, cells, outputs, top_k)
                 return tuple(map(self.backend.to_host, out)) if top_k else self.backend.to_host(out)
             size = self.backend.step_size(n)
-            ids, positions, starts = (np.zeros(size, np.int32) for _ in range(3))
-            ids[:n], positions[:n], starts[:n] = batch.ids, batch.positions, batch.starts
-            starts[n:] = cells.pad_row
+            vectors = tuple(np.zeros(size, np.int32) for _ in where)
+            for padded, vector in zip(vectors, where, strict=True):
+                padded[:n] = vector
+            vectors[2][n:], vectors[3][n:] = cells.pad_row, cells.ring_pad_row
 
-            def step(ids, positions, starts):  # on the backend's own int32 vectors
-                return self._logits(ids, positions, starts, cells, None, top_k)
+            def step(*vectors):  # on the backend's own int32 vectors (the graph's inputs)
+                return self._logits(vectors, cells, None, top_k)
 
-            out = self.backend.run_step(cells, (size, top_k), step, ids, positions, starts)
+            out = self.backend.run_step(cells, (size, top_k), step, *vectors)
             return tuple(a[:n] for a in out) if top_k else out[:n]
         except BaseException as e:  # the caches must not claim tokens of an unfinished pass
             batch.rollback()
@@ -301,22 +304,29 @@ class Transformer:
                 raise KeyboardInterrupt from None
             raise
 
-    def _logits(self, ids, positions, starts, cells: KVCells, outputs, top_k: int):
+    def _logits(self, where, cells: KVCells, outputs, top_k: int):
         """Logits on the backend of the rows `outputs` (host int32; None: every row), or top_k's
-        (ids, logits) of them; None for outputs of length 0 (only the cache matters). ids,
-        positions and starts (each token's sequence's first cache row) may be on the host or
+        (ids, logits) of them; None for outputs of length 0 (only the cache matters). where:
+        the int32 vectors ids, positions, starts (each token's sequence's first full-context
+        row), ring_starts (its first ring row) and offsets (its ring offset), on the host or
         the backend."""
         b, c, spec = self.backend, self.config, self.block
+        ids, positions, starts, ring_starts, offsets = where
         slots = starts + positions
+        ring_slots = ring_starts + (positions + offsets) % cells.ring if cells.ring else slots
         x = b.embed(self.token_embd, ids)  # [n, d]
         if spec.embed_scale != 1.0:
             x = b.scale(x, spec.embed_scale)
         if self._stack is not None:  # the backend runs every block in one call
-            x = self._stack(x, cells.k, cells.v, positions, slots, starts)
+            full = (cells.k, cells.v, slots, starts)
+            ring = (cells.ring_k, cells.ring_v, ring_slots, ring_starts, offsets, cells.ring)
+            x = self._stack(x, positions, cells.placement, full, ring)
         else:
             for i, layer in enumerate(self.layers):
-                kv = (cells.k[i], cells.v[i])
-                x = self._attention_block(x, layer, spec.layers[i], kv, positions, slots, starts)
+                k, v, ring = cells.layer(i)
+                to = (ring_slots, ring_starts, ring, offsets) if ring else (slots, starts, 0, None)
+                kv = (k, v, *to)
+                x = self._attention_block(x, layer, spec.layers[i], kv, positions)
                 x = self._ffn_block(x, layer)
         if outputs is not None:
             if len(outputs) == 0:
@@ -328,7 +338,9 @@ class Transformer:
             logits = b.softcap(logits, spec.final_softcap)
         return b.top_k(logits, top_k) if top_k else logits
 
-    def _attention_block(self, x, layer: Layer, at: LayerAttention, kv, positions, slots, starts):
+    def _attention_block(self, x, layer: Layer, at: LayerAttention, kv, positions):
+        """kv: the layer's (k_cache, v_cache, slots, starts, ring, offsets), as Backend.attention
+        reads a ring (ring > 0) or a full-context storage (ring 0)."""
         b, c, spec = self.backend, self.config, self.block
         ws = [layer.wq, layer.wk, layer.wv]
         q, k, v = b.norm_matmul_many(x, layer.attn_norm, c.rms_eps, ws)  # [n, h*hd], [n, hk*hd] x 2
@@ -337,10 +349,12 @@ class Transformer:
             q = b.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, c.rms_eps).reshape(n, -1)
             k = b.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, c.rms_eps).reshape(n, -1)
         biases = None if layer.bq is None else (layer.bq, layer.bk, layer.bv)
-        q = b.attention_inputs(q, k, v, biases, *kv, positions, slots, at.rope)  # [n, h, hd]
+        k_cache, v_cache, slots, starts, ring, offsets = kv
+        q = b.attention_inputs(q, k, v, biases, k_cache, v_cache, positions, slots, at.rope)
         attn = b.attention(
-            q, *kv, positions, spec.attn_scale, starts, at.window, spec.attn_softcap
-        )  # [n, h*hd]
+            q, k_cache, v_cache, positions, spec.attn_scale, starts, at.window,
+            spec.attn_softcap, ring, offsets,
+        )  # fmt: skip
         if layer.attn_post_norm is None:
             return b.matmul_add(attn, layer.wo, x)
         return b.add(x, b.rms_norm(b.matmul(attn, layer.wo), layer.attn_post_norm, c.rms_eps))
