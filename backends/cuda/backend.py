@@ -493,7 +493,10 @@ class CUDABackend(Backend):
         self.k("rope_kv")((n, h + hk), (64,), args)
         return q_out
 
-    def attention(self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0):
+    def attention(
+        self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0,
+        ring=0, offsets=None,
+    ):  # fmt: skip
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         n, h, hd = q.shape
         hk = k_cache.shape[1]
@@ -501,8 +504,11 @@ class CUDABackend(Backend):
             longest = k_cache.shape[0]
         else:
             longest = int(np.max(positions)) + 1
+        # ring > 0: a sliding-window layer's ring; the kernels read each query's offset from
+        # the device (a graph's replays take the offsets of their step, not of its capture)
+        offsets = _NULL if ring <= 0 else self._ints(offsets)
         if n >= DENSE_ROWS and hd in ATTN_TILE_DIMS and not isinstance(positions, cp.ndarray):
-            args = (q, k_cache, v_cache, positions, scale, starts, window, softcap)
+            args = (q, k_cache, v_cache, positions, scale, starts, window, softcap, ring, offsets)
             return self._attention_tiles(*args)
         if window > 0:  # a sliding-window layer reads at most its window
             longest = min(longest, window)
@@ -529,11 +535,13 @@ class CUDABackend(Backend):
             args += (*act, _i32(tiled))
         else:
             args += (_NULL, _NULL, _NULL, _i32(0))
-        args += (_i32(window), np.float32(softcap))
+        args += (_i32(window), np.float32(softcap), offsets, _i32(max(ring, 0)))
         self.k("attn_split")((h, splits, n), (128,), args)
         return out
 
-    def _attention_tiles(self, q, k_cache, v_cache, positions, scale, starts, window, softcap):
+    def _attention_tiles(
+        self, q, k_cache, v_cache, positions, scale, starts, window, softcap, ring, offsets
+    ):
         """Attention of many queries (prefill) in tiles of up to ATTN_TILE queries of one
         sequence at consecutive positions, each tile reading its keys once (ops.cu)."""
         n, h, hd = q.shape
@@ -556,15 +564,17 @@ class CUDABackend(Backend):
         args += (self._ints(tiles), out, _i32(h), _i32(k_cache.shape[1]), np.float32(scale))
         row = hd + 8  # halves a staged row (ops.cu)
         shared = (ATTN_TILE + 2 * 32) * row * 2 + ATTN_TILE * 33 * 4
-        args += (_i32(window), np.float32(softcap))
+        args += (_i32(window), np.float32(softcap), offsets, _i32(max(ring, 0)))
         self.k(f"attn_tiles_{hd}")((h, len(tiles)), (128,), args, shared)
         return out
 
     def kv_copy(self, k_cache, v_cache, src, dst, n, shift=0, rope=None):
         layers, rows = k_cache.shape[:2]
-        width = k_cache[0, 0].size
         if not (0 <= src and src + n <= rows and 0 <= dst and dst + n <= rows) or n <= 0:
             return
+        if layers == 0:  # no layers of this storage (kv_cache.py): nothing to launch
+            return
+        width = k_cache[0, 0].size
         ks, vs = k_cache[:, src : src + n], v_cache[:, src : src + n]
         if abs(src - dst) < n:  # overlapping rows: the kernel reads a copy
             ks, vs = ks.copy(), vs.copy()
@@ -578,6 +588,13 @@ class CUDABackend(Backend):
         args += (_i32(k_cache.shape[3]), _i32(shift), powers, _NULL if factors is None else factors)
         args += (_i32(rope.n_dims), np.float32(rope.freq_scale), _i32(rope.neox))
         self.k("kv_copy")(((total + 255) // 256,), (256,), args)
+
+    def kv_move(self, k_cache, v_cache, src_rows, dst_rows):
+        src = cp.asarray(np.asarray(src_rows, np.int64))
+        dst = cp.asarray(np.asarray(dst_rows, np.int64))
+        k, v = k_cache[:, src], v_cache[:, src]  # copies: every row read before any written
+        k_cache[:, dst] = k
+        v_cache[:, dst] = v
 
     # -- CUDA graphs ------------------------------------------------------------------------
 

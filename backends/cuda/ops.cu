@@ -223,6 +223,21 @@ extern "C" __global__ void kv_copy(const __half* __restrict__ ks, const __half* 
 }
 
 // ---- attention over the fp16 KV cache: split over the cache length, then combined ---------
+// Where a query's position p lives: row starts[query] + p of the cache, or on a sliding-window
+// layer's ring (ring > 0 rows a sequence) row starts[query] + (p + offsets[query]) % ring.
+// first: the row (within the sequence's rows) of the first position read, lo; the position
+// lo + j is then at first + j, less ring past its end (a window is shorter than the ring:
+// one wrap at most).
+__device__ __forceinline__ int ring_first(int lo, const int* __restrict__ offsets, int query,
+                                          int ring) {
+    return ring > 0 ? (lo + offsets[query]) % ring : lo;
+}
+
+__device__ __forceinline__ int ring_row(int first, int j, int ring) {
+    const int r = first + j;
+    return ring > 0 && r >= ring ? r - ring : r;
+}
+
 // Block (head, split, query) covers an equal share of the query's positions 0..pos (of the
 // sequence that starts at cache row starts[query]) in rounds of ATTN_DEPTH positions per lane
 // group, with an online softmax, and writes its unnormalised output o [hd], running max m and
@@ -274,7 +289,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                float2* __restrict__ part_ml, int* __restrict__ tickets,
                float* __restrict__ out, int h, int hk, int hd, int splits, float scale,
                signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
-               int tiled, int window, float softcap) {
+               int tiled, int window, float softcap, const int* __restrict__ offsets,
+               int ring) {
     pdl_start();
     constexpr int WARPS = ATTN_THREADS / 32;
     __shared__ float warp_ml[WARPS][2];  // each warp's running max and sum
@@ -302,8 +318,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     const long long part = ((long long)i * h + head) * splits + split;
     if (split >= active) return;
     const int kvh = head / (h / hk), row = hk * hd;  // row: halves per cache row
-    kc += ((long long)starts[i] + lo) * row + kvh * hd;
-    vc += ((long long)starts[i] + lo) * row + kvh * hd;
+    kc += (long long)starts[i] * row + kvh * hd;
+    vc += (long long)starts[i] * row + kvh * hd;
+    const int first = ring_first(lo, offsets, i, ring);  // the row of position lo
     const float* qr = q + ((long long)i * h + head) * hd + 8 * dg;
     float qf[8];
 #pragma unroll
@@ -317,8 +334,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
             const int pp = base + sub + u * stride;
             kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
             if (dims && pp < p1) {
-                kr[u] = reinterpret_cast<const uint4*>(kc + (long long)pp * row)[dg];
-                vr[u] = reinterpret_cast<const uint4*>(vc + (long long)pp * row)[dg];
+                const long long at = (long long)ring_row(first, pp, ring) * row;
+                kr[u] = reinterpret_cast<const uint4*>(kc + at)[dg];
+                vr[u] = reinterpret_cast<const uint4*>(vc + at)[dg];
             }
         }
         float sc[ATTN_DEPTH];
@@ -403,7 +421,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 // a 4 x 4 block of scores (queries 4 (t / 8).., keys 4 (t % 8)..) and the output of the same
 // 4 queries over HD / 8 dimensions, with the online softmax of flash attention; the 8 threads
 // of a query block are neighbouring lanes, which exchange row maxima and sums by shuffles.
-// window > 0: query at position p sees positions p - window + 1 .. p only.
+// window > 0: query at position p sees positions p - window + 1 .. p only. ring > 0: the
+// cache is a sliding-window layer's ring (ring_first / ring_row); the tile's queries share
+// one sequence, so one offset, and its span (a window and a pass) fits the ring.
 #define AT_QT 64
 #define AT_KT 32
 #define AT_MASKED __int_as_float(0xff800000)  // -inf (NVRTC has no math.h)
@@ -412,7 +432,8 @@ template <int HD>
 __device__ __forceinline__ void attn_tiles_body(
     const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
     const int* __restrict__ pos, const int* __restrict__ starts, const int2* __restrict__ tiles,
-    float* __restrict__ out, int h, int hk, float scale, int window, float softcap) {
+    float* __restrict__ out, int h, int hk, float scale, int window, float softcap,
+    const int* __restrict__ offsets, int ring) {
     pdl_start();
     extern __shared__ __align__(16) unsigned char at_smem[];
     constexpr int LD = HD + 8;  // halves a staged row: rows 16 bytes apart on the banks
@@ -439,6 +460,7 @@ __device__ __forceinline__ void attn_tiles_body(
     for (int a = 0; a < 4; ++a) qpos[a] = qg + a < count ? pos[first + qg + a] : -1;
     const int p_last = pos[first + count - 1];
     const int k_lo = window > 0 ? max(0, pos[first] - window + 1) : 0;
+    const int k_first = ring_first(k_lo, offsets, first, ring);  // the row of position k_lo
     float o[4][DS], m[4], l[4];
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
@@ -453,8 +475,9 @@ __device__ __forceinline__ void attn_tiles_body(
             const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
             uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
             if (kb + r <= p_last) {
-                kv = *reinterpret_cast<const uint4*>(kc + base + (long long)(kb + r) * row + c);
-                vv = *reinterpret_cast<const uint4*>(vc + base + (long long)(kb + r) * row + c);
+                const long long at = base + (long long)ring_row(k_first, kb + r - k_lo, ring) * row;
+                kv = *reinterpret_cast<const uint4*>(kc + at + c);
+                vv = *reinterpret_cast<const uint4*>(vc + at + c);
             }
             *reinterpret_cast<uint4*>(sk + r * LD + c) = kv;
             *reinterpret_cast<uint4*>(sv + r * LD + c) = vv;
@@ -553,8 +576,10 @@ __device__ __forceinline__ void attn_tiles_body(
         const float* __restrict__ q, const __half* __restrict__ kc,                            \
         const __half* __restrict__ vc, const int* __restrict__ pos,                            \
         const int* __restrict__ starts, const int2* __restrict__ tiles, float* __restrict__ out, \
-        int h, int hk, float scale, int window, float softcap) {                               \
-        attn_tiles_body<HD>(q, kc, vc, pos, starts, tiles, out, h, hk, scale, window, softcap); \
+        int h, int hk, float scale, int window, float softcap, const int* __restrict__ offsets,  \
+        int ring) {                                                                            \
+        attn_tiles_body<HD>(q, kc, vc, pos, starts, tiles, out, h, hk, scale, window, softcap,  \
+                            offsets, ring);                                                    \
     }
 ATTN_TILES(64)
 ATTN_TILES(128)
