@@ -458,3 +458,68 @@ def test_attention_window_and_softcap(backend, window, softcap, n):
     expect = ref.attention(q, k_ref, v_ref, *args)
     got = backend.attention(dev(backend, q), k_dev, v_dev, *args)
     np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
+
+
+def _ring_of(full, lengths, offsets, full_rows: int, ring: int, backend=None):
+    """The rings [3 * ring + 1, hk, hd] that hold, for each sequence s of a full-context
+    cache (full_rows rows each), its last `ring` positions before lengths[s], position p at
+    row s * ring + (p + offsets[s]) % ring: the layout of runner/kv_cache.py."""
+    out = (backend or ref).zeros((len(lengths) * ring + 1, *full.shape[1:]))
+    for s, (length, offset) in enumerate(zip(lengths, offsets, strict=True)):
+        positions = np.arange(max(0, length - ring), length)
+        rows = s * ring + (positions + offset) % ring
+        values = full[s * full_rows + positions]
+        if backend is None:
+            out[rows] = values
+        else:  # the same fp16 values through the backend's own write
+            backend.kv_write(out, out, dev(backend, values), dev(backend, values), rows)
+    return out
+
+
+@pytest.mark.parametrize("hd", [64, 256])
+@pytest.mark.parametrize("n, window", [(1, 40), (3, 40), (150, 40), (150, 7), (3, 95)])
+def test_attention_through_a_ring(backend, n, window, hd):
+    """A sliding-window layer's ring (kv_cache.py): each query reads its last `window`
+    positions at rows start + (p + offset) % ring, wrapping once where its window crosses
+    the ring's end. The reference against itself over full rows (the ring is only a layout),
+    then each backend against the reference, decode-sized and prefill-sized (CUDA: the split
+    and the tiled kernels; 150 queries of three sequences, tiles past a wrap)."""
+    rng = np.random.default_rng(seed_of(n, window, hd, "ring"))
+    hk, h, full_rows, ring = 2, 4, 300, 96
+    lengths = np.array([300, 171, 60])
+    offsets = np.array([37, 90, 5])  # sequence 0's windows and tiles wrap, 1's decode too
+    kv = [rng.standard_normal((3 * full_rows, hk, hd)).astype(np.float32) for _ in range(2)]
+    full = [ref.zeros(a.shape) for a in kv]
+    ref.kv_write(*full, *kv, np.arange(3 * full_rows, dtype=np.int32))
+    rings = [_ring_of(a, lengths, offsets, full_rows, ring) for a in full]
+    per_seq = [n // 3 + (s < n % 3) for s in range(3)]  # queries: each sequence's last ones
+    seq = np.repeat(np.arange(3), per_seq)
+    pos = np.concatenate([np.arange(lengths[s] - m, lengths[s]) for s, m in enumerate(per_seq)])
+    pos = pos.astype(np.int32)
+    q = rng.standard_normal((n, h, hd)).astype(np.float32)
+    scale = hd**-0.5
+    ring_args = (window, 0.0, ring, offsets[seq].astype(np.int32))
+    expect = ref.attention(q, *rings, pos, scale, (seq * ring).astype(np.int32), *ring_args)
+    over_full = ref.attention(q, *full, pos, scale, (seq * full_rows).astype(np.int32), window)
+    np.testing.assert_array_equal(expect, over_full)
+    k_dev = _ring_of(full[0], lengths, offsets, full_rows, ring, backend)
+    v_dev = _ring_of(full[1], lengths, offsets, full_rows, ring, backend)
+    got = backend.attention(
+        dev(backend, q), k_dev, v_dev, pos, scale, (seq * ring).astype(np.int32), *ring_args
+    )
+    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
+
+
+def test_kv_move(backend):
+    """Rows moved across every layer, every one read before any is written (a context
+    shift's kept tokens within a ring: sources and destinations may overlap)."""
+    rng = np.random.default_rng(16)
+    layers, rows, hk, hd = 3, 40, 2, 64
+    (k_ref, v_ref), (k_dev, v_dev) = _filled_cache(backend, rng, layers, rows, hk, hd)
+    src, dst = np.array([3, 4, 5, 6, 39]), np.array([5, 6, 7, 8, 0])
+    before = k_ref.copy()
+    ref.kv_move(k_ref, v_ref, src, dst)
+    np.testing.assert_array_equal(k_ref[:, dst], before[:, src])
+    backend.kv_move(k_dev, v_dev, src, dst)
+    np.testing.assert_array_equal(host(backend, k_dev), k_ref)
+    np.testing.assert_array_equal(host(backend, v_dev), v_ref)
