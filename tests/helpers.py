@@ -98,8 +98,11 @@ def write_tiny_model(
     seed: int = 0,
     tied: bool = True,
     fast: bool = False,
+    window: int = 8,
 ) -> Path:
-    """Write a small llama/qwen2 GGUF with random weights and a byte-level BPE vocabulary."""
+    """Write a small llama/qwen2 GGUF with random weights and a byte-level BPE vocabulary;
+    arch "gemma3": the Gemma 3 block (Q/K head norms, post-norms, GELU gating, five local
+    layers of `window` positions to one global, each kind with its own RoPE base)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -113,6 +116,10 @@ def write_tiny_model(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(0)
+    if arch == "gemma3":
+        w.add_uint32(f"{arch}.attention.sliding_window", window)
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", 6)
+        w.add_float32(f"{arch}.rope.freq_base_swa", 1000.0)
     # Vocabulary: 256 byte-level singletons, some merges' results, then control tokens.
     from fastrun.runner.tokenizer import _BYTE_TO_CHAR
 
@@ -158,6 +165,11 @@ def write_tiny_model(
             add_f32(f"blk.{i}.attn_q.bias", 0.1 * rng.standard_normal(n_embd))
             add_f32(f"blk.{i}.attn_k.bias", 0.1 * rng.standard_normal(n_head_kv * head_dim))
             add_f32(f"blk.{i}.attn_v.bias", 0.1 * rng.standard_normal(n_head_kv * head_dim))
+        if arch == "gemma3":
+            for name in ("attn_q_norm", "attn_k_norm"):
+                add_f32(f"blk.{i}.{name}.weight", 1 + 0.1 * rng.standard_normal(head_dim))
+            for name in ("post_attention_norm", "post_ffw_norm"):
+                add_f32(f"blk.{i}.{name}.weight", 1 + 0.1 * rng.standard_normal(n_embd))
         add(f"blk.{i}.attn_output.weight", n_embd, n_embd)
         add_f32(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(n_embd))
         add(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)

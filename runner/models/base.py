@@ -248,7 +248,8 @@ class Transformer:
         return self.new_cells(1, n_ctx, max_pass).sequences[0]
 
     def forward(self, ids, cache: KVCache, all_logits: bool = False, top_k: int = 0):
-        """Run new tokens of one sequence through the model (in chunks of PREFILL_CHUNK),
+        """Run new tokens of one sequence through the model (in chunks of PREFILL_CHUNK, or of
+        the most a pass may add to its cells),
         appending them to its cache.
 
         Returns float32 logits on the host: [n, vocab] with all_logits, else [1, vocab] for
@@ -257,9 +258,10 @@ class Transformer:
         """
         ids = np.asarray(ids, np.int32).reshape(-1)
         outputs = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[start : start + PREFILL_CHUNK]
-            last = start + PREFILL_CHUNK >= len(ids)
+        size = min(PREFILL_CHUNK, cache.cells.max_pass)  # cells may admit smaller passes only
+        for start in range(0, len(ids), size):
+            chunk = ids[start : start + size]
+            last = start + size >= len(ids)
             batch = Batch()
             batch.add(cache, chunk, "all" if all_logits else "last" if last else "none")
             # scoring passes of every row are not steps to capture (capture: a decode step)
