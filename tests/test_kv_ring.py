@@ -200,3 +200,31 @@ def test_prefix_reuse_on_rings(gemma_path, monkeypatch):
     _, _, expect = run()
     assert [p for _, p in expect] == [3, 3]
     assert [t for t, _ in got] == [t for t, _ in expect]
+
+
+@pytest.mark.slow
+def test_real_gemma3_on_rings_equals_full_storage(monkeypatch):
+    """Gemma 3 270M (window 512; rings of 1,024 rows) past two rings: teacher-forced
+    log-probabilities of 2,500 tokens and a greedy continuation of 1,200 tokens, bit for bit
+    those of full storage on the CPU."""
+    from helpers import real_model
+
+    path = real_model("gemma3-270m")
+    text = open("/usr/share/common-licenses/GPL-3").read()
+
+    def run():
+        m = Model(path, backend="cpu", n_ctx=4096, parallel=1)
+        tokens = m.tokenize(text, add_bos=True)[:2500]
+        logprobs = m.logprobs(tokens)
+        greedy = m.complete(tokens[:100], max_tokens=1200, temperature=0, ignore_eos=True)
+        rings = m.engine.cells.ring
+        m.close()
+        return logprobs, greedy.tokens, rings
+
+    logprobs, greedy, rings = run()
+    assert rings == 1024 and len(greedy) == 1200
+    monkeypatch.setattr(kv_cache, "ring_rows", lambda *args: 0)
+    full_logprobs, full_greedy, rings = run()
+    assert rings == 0
+    np.testing.assert_array_equal(logprobs, full_logprobs)
+    assert greedy == full_greedy
