@@ -13,6 +13,7 @@ Exit status 1 where a signal fails. The model is a GGUF path or a registry name.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -24,6 +25,10 @@ PROMPT = (
     "to his daughter on the mainland. Once upon a time,"
 )
 TOPIC = ("lighthouse", "keeper", "sea", "lamp", "light", "island", "ship", "storm", "daughter")
+FULL_STORAGE = (
+    "import sys; from fastrun.runner import kv_cache; kv_cache.ring_rows = lambda *a: 0; "
+    "from fastrun.runner.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 LONGEST_RUN = 12  # the same token more times in a row than this: degenerate
 MIN_DISTINCT = 0.15  # distinct tokens in the last quarter, at least this share of them
 
@@ -74,13 +79,24 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument(
+        "--full-storage",
+        action="store_true",
+        help="every layer on full rows (no rings), for the comparison: the same seed must "
+        "give the same text",
+    )
     args = ap.parse_args()
 
     print(json.dumps(cache_bytes(args.model, args.ctx, 512), indent=1))
+    launcher = ["-m", "fastrun.runner.cli"]
+    if args.full_storage:  # the CLI with ring_rows answering 0 (runner/kv_cache.py)
+        launcher = ["-c", FULL_STORAGE]
     command = [
-        sys.executable, "-m", "fastrun.runner.cli", "run", args.model, PROMPT,
+        sys.executable, *launcher, "run", args.model, PROMPT,
         "-n", str(args.tokens), "-c", str(args.ctx), "--ignore-eos", "--seed", str(args.seed),
-        "--repeat-penalty", "1.1", "--backend", args.backend, "--json",
+        "--repeat-penalty", "1.1", "--presence-penalty", str(args.presence_penalty),
+        "--backend", args.backend, "--json",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
     if done.returncode != 0:
@@ -91,6 +107,8 @@ def main() -> int:
     found = signals(result["text"], result["tokens"])
     found["tokens"] = len(result["tokens"])
     print(json.dumps(found))
+    digest = hashlib.sha256(json.dumps(result["tokens"]).encode()).hexdigest()[:16]
+    print(f"tokens sha256 {digest} ({'full storage' if args.full_storage else 'rings'})")
     ok = (
         found["tokens"] == args.tokens
         and found["longest_repeat"] <= LONGEST_RUN
