@@ -35,15 +35,15 @@ __device__ __forceinline__ float transformed(const float* xr, int e, int K, bool
                                              double* s_sum) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float v = e < K ? xr[e] : 0.f;
-    if (norm) {  // the sum of squares in double, scale rounded once: as the CPU backend
+    if (norm) {  // float squares summed in double, mean and scale in float: as ggml
         double ss = 0.0;
-        for (int i = tid; i < K; i += 256) ss += (double)xr[i] * (double)xr[i];
+        for (int i = tid; i < K; i += 256) ss += (double)(xr[i] * xr[i]);
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (lane == 0) s_sum[warp] = ss;
         __syncthreads();
         double total = 0.0;
         for (int w = 0; w < 8; ++w) total += s_sum[w];
-        if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * weight;
+        if (e < K) v = (v * (1.0f / sqrtf((float)(total / K) + (float)eps))) * weight;
     }
     if (up_row && e < K) v = silu(v) * up_row[e];
     return v;
