@@ -235,6 +235,190 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
         }
 }
 
+// ---- a few tokens, each weight read once: R rows a warp, NT tokens a block ----------------
+// The products of 2..16 tokens (speculative checking passes, small batches) and, where the
+// backend picks it, of one. A lane holds R rows' groups g = lane, lane + 32, ... (U of them a
+// row in flight, one 16-byte load each) and applies each to every token of the block, so the
+// weights stream from memory once while each token's activation is loaded once per R rows.
+// The decoded quads of the R rows are kept across the tokens. Each token's sum runs in the
+// order matvec_q's does (per lane over the groups in turn, then the xor butterfly across the
+// lanes, which the reduce-scatter below reproduces), so the results are bit-identical to it.
+// stage: the block first copies its tokens' activations into dynamic shared memory
+// (nt * (K + 8 * K / 32) bytes; the backend passes stage = 0 where that is too much), the
+// halves of groups reordered for contiguous loads.
+// Blocks of any number of warps (blockDim.x = 32 * warps): a parameter of the launch.
+
+#ifndef MT_STREAM
+#define MT_STREAM 1  // weight loads past L1 (L1::no_allocate): L1 keeps the activations
+#endif
+
+__device__ __forceinline__ uint4 load_weights16(const uint4* p) {
+#if MT_STREAM
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
+// v[i] summed over the warp's lanes, V (a power of two) values a lane: each step keeps half
+// the values and adds the partner lane's copy of them (the sums of warp_sum's butterfly, bit
+// for bit), until a lane holds SCATTER_HELD(V) values; the rest of the steps are warp_sum's.
+// Returns the index of the first value the lane then holds in v[0 .. held - 1] (consecutive);
+// SCATTER_SPREAD(V) neighbouring lanes hold the same ones.
+#define SCATTER_HELD(V) ((V) >= 32 ? (V) / 32 : 1)
+#define SCATTER_SPREAD(V) ((V) >= 32 ? 1 : 32 / (V))
+template <int V>
+__device__ __forceinline__ int warp_sum_scatter(float (&v)[V], int lane) {
+    int held = V, first = 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        if (held > 1) {
+            const bool upper = lane & o;
+#pragma unroll
+            for (int i = 0; i < V / 2; ++i) {
+                if (i < held / 2) {
+                    const float keep = upper ? v[i + held / 2] : v[i];
+                    const float send = upper ? v[i] : v[i + held / 2];
+                    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                }
+            }
+            held /= 2;
+            if (upper) first += held;
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+        }
+    }
+    return first;
+}
+
+template <class F, int R, int NT, int U>
+__global__ void __launch_bounds__(256)
+    matvec_tile(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
+                int accumulate, int stage) {
+    static_assert((R & (R - 1)) == 0 && (NT & (NT - 1)) == 0, "R and NT: powers of two");
+    pdl_trigger();
+    const Planes P = PLANES;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int G = K >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * R;
+    const int tok0 = blockIdx.y * NT, nt = min(NT, n_tok - tok0);
+
+    uint4 wa[R][U], wb[R][U];
+    u32 e0[R][U], e1[R][U];
+    GroupScale s[R][U];
+    auto load = [&](int g0) {  // the R rows' groups g0, g0 + 32, ... (rows past N: the last)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = min(row0 + r, N - 1);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int g = g0 + 32 * u;
+                if (g < G) {
+                    const long long rg = (long long)row * G + g;
+                    const uint4* wq = reinterpret_cast<const uint4*>(P.p[0]) + rg * (F::qbytes / 16);
+                    wa[r][u] = load_weights16(wq);
+                    wb[r][u] = F::qbytes == 32 ? load_weights16(wq + 1) : make_uint4(0, 0, 0, 0);
+                    e0[r][u] = e1[r][u] = 0;
+                    F::extra(P, rg, e0[r][u], e1[r][u]);
+                    s[r][u] = F::scale(P, rg, (long long)row * (G >> 3) + (g >> 3));
+                }
+            }
+        }
+    };
+    load(lane);  // the first weights are on their way before the wait on the activation
+    pdl_wait();
+
+    // the block's tokens' activations: [nt][G] 16-byte halves of groups as quantize_rows
+    // wrote them (group g's at 2g and 2g + 1), or staged in shared memory with the first
+    // halves of all groups before the second ones (at g and G + g), so that a warp's load of
+    // 32 groups' halves is 512 contiguous bytes
+    const int4* aq = reinterpret_cast<const int4*>(xq + (long long)tok0 * K);
+    const float* ad = xd + (long long)tok0 * G;
+    const float* as = xs + (long long)tok0 * G;
+    int group_step = 2, half_step = 1;
+    if (stage) {
+        int4* sq = reinterpret_cast<int4*>(smem);
+        float* sd = reinterpret_cast<float*>(smem + (long long)nt * K);
+        float* ss = sd + nt * G;
+        for (int i = threadIdx.x; i < nt * 2 * G; i += blockDim.x) {
+            const int j = i / (2 * G), v = i - j * 2 * G;
+            sq[j * 2 * G + (v & 1) * G + (v >> 1)] = aq[i];
+        }
+        for (int i = threadIdx.x; i < nt * G; i += blockDim.x) {
+            sd[i] = ad[i];
+            if (F::has_min) ss[i] = as[i];
+        }
+        __syncthreads();
+        aq = sq;
+        ad = sd;
+        as = ss;
+        group_step = 1;
+        half_step = G;
+    }
+
+    float acc[R * NT];
+#pragma unroll
+    for (int i = 0; i < R * NT; ++i) acc[i] = 0.f;
+    for (int g0 = lane; g0 < G; g0 += 32 * U) {
+        if (g0 != lane) load(g0);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + 32 * u;
+            if (g >= G) break;
+            int lo[R][4], hi[R][4];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 a = wa[r][u], b = wb[r][u];
+                F::decode(a.x, b.x, e0[r][u], e1[r][u], 0, lo[r][0], hi[r][0]);
+                F::decode(a.y, b.y, e0[r][u], e1[r][u], 1, lo[r][1], hi[r][1]);
+                F::decode(a.z, b.z, e0[r][u], e1[r][u], 2, lo[r][2], hi[r][2]);
+                F::decode(a.w, b.w, e0[r][u], e1[r][u], 3, lo[r][3], hi[r][3]);
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                if (j >= nt) break;
+                const int xg = j * G + g;
+                const int4* xv = aq + 2 * j * G + g * group_step;
+                const int4 x0 = xv[0], x1 = xv[half_step];
+                const float d = ad[xg], sum = F::has_min ? as[xg] : 0.f;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {  // as matvec_q, term for term
+                    int dl = __dp4a(lo[r][0], x0.x, SUM_BIAS);
+                    int dh = __dp4a(hi[r][0], x1.x, F::split ? SUM_BIAS : 0);
+                    dl = __dp4a(lo[r][1], x0.y, dl);
+                    dh = __dp4a(hi[r][1], x1.y, dh);
+                    dl = __dp4a(lo[r][2], x0.z, dl);
+                    dh = __dp4a(hi[r][2], x1.z, dh);
+                    dl = __dp4a(lo[r][3], x0.w, dl);
+                    dh = __dp4a(hi[r][3], x1.w, dh);
+                    const GroupScale& sc = s[r][u];
+                    const float part = F::split
+                                           ? sc.s_lo * biased_sum(dl) + sc.s_hi * biased_sum(dh)
+                                           : sc.s_lo * biased_sum(dl + dh);
+                    float& a = acc[r * NT + j];
+                    a += d * part;
+                    if (F::has_min) a += sc.m * sum;
+                }
+            }
+        }
+    }
+    const int first = warp_sum_scatter<R * NT>(acc, lane);
+    if (lane % SCATTER_SPREAD(R * NT) != 0) return;
+#pragma unroll
+    for (int k = 0; k < SCATTER_HELD(R * NT); ++k) {
+        const int row = row0 + (first + k) / NT, tok = tok0 + (first + k) % NT;
+        if (row < N && tok < n_tok) {
+            float* out = y + (long long)tok * N + row;
+            *out = accumulate ? *out + acc[k] : acc[k];
+        }
+    }
+}
+
 // ---- many tokens: int8 tensor cores (mma.sync m16n8k32 / m16n8k16) ----------------------
 // A block computes 16 weight rows x MMA_TOKENS tokens. Its W warps split K in chunks of
 // MMA_CHUNK bytes of each row's plane 0 (8 groups; warp w: chunks w, w + W, ...). Each
