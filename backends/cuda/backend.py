@@ -163,7 +163,7 @@ def small_tiles() -> list[tuple[int, int, int]]:
     return tiles
 
 
-def tile_launch(w: "CUDAWeight", n: int, tile: tuple[int, int, int], warps: int, stage_max: int):
+def tile_launch(w: CUDAWeight, n: int, tile: tuple[int, int, int], warps: int, stage_max: int):
     """(kernel name, grid, block, shared bytes, stage) of matvec_tile for n tokens with w in
     blocks of `tile` (tokens, rows a warp, groups in flight) and `warps` warps; the block's
     activations staged in shared memory where they take at most stage_max bytes."""
