@@ -75,6 +75,13 @@ HOST_VECTORS = 16  # host int vectors kept on the device by content (_ints)
 # attention splits: enough for about this many blocks (one query; a batch of queries), each
 # split at least a round of loads (7B shape, 16 sequences: 256 blocks 4.96 ms a step, 4096 6.05)
 ATTN_BLOCKS = (512, int(os.environ.get("FASTRUN_ATTN_BLOCKS", "256")))
+# a pass of 2..ATTN_FEW[0] queries (speculation's checking pass: mostly one sequence's, whose
+# cache rows stay in L2) splits for about ATTN_FEW[1] blocks: with 256, the 9 queries of a 7B
+# checking pass got one split each, every block walking the whole cache alone
+ATTN_FEW = tuple(
+    int(os.environ.get(name, default))
+    for name, default in (("FASTRUN_ATTN_FEW_TOKENS", "9"), ("FASTRUN_ATTN_FEW_BLOCKS", "2048"))
+)
 GRAPH_MAX_TOKENS = 64  # the largest decode step captured as a graph (step_size)
 # steps of up to this many tokens are captured at their own size, not padded to a power of
 # two: a checking pass of 9 tokens computes 9, not 16 (0: powers of two throughout)
@@ -567,7 +574,8 @@ class CUDABackend(Backend):
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
         # positions (in whole rounds of loads, ops.cu) and the combine merges them
         splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
-        splits = max(1, min(splits, ATTN_BLOCKS[n > 1] // (n * h), ATTN_MAX_SPLITS))
+        budget = ATTN_FEW[1] if 1 < n <= ATTN_FEW[0] else ATTN_BLOCKS[n > 1]
+        splits = max(1, min(splits, budget // (n * h), ATTN_MAX_SPLITS))
         pos = self._ints(positions)
         starts = cp.zeros(n, cp.int32) if starts is None else self._ints(starts)
         part_o = cp.empty((n, h, splits, hd), cp.float32)
