@@ -240,7 +240,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 // backend picks it, of one. A lane holds R rows' groups g = lane, lane + 32, ... (U of them a
 // row in flight, one 16-byte load each) and applies each to every token of the block, so the
 // weights stream from memory once while each token's activation is loaded once per R rows.
-// The decoded quads of the R rows are kept across the tokens. Each token's sum runs in the
+// The decoded quads of the R rows are kept across the tokens, and the next round's weights
+// are loaded while this round's are applied. Each token's sum runs in the
 // order matvec_q's does (per lane over the groups in turn, then the xor butterfly across the
 // lanes, which the reduce-scatter below reproduces), so the results are bit-identical to it.
 // stage: the block first copies its tokens' activations into dynamic shared memory
@@ -365,20 +366,26 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int i = 0; i < R * NT; ++i) acc[i] = 0.f;
     for (int g0 = lane; g0 < G; g0 += 32 * U) {
-        if (g0 != lane) load(g0);
+        // this round's groups decoded, then the next round's weights loaded into the same
+        // registers: they are on their way while the tokens are multiplied
+        int lo[R][U][4], hi[R][U][4];
+        GroupScale sc[R][U];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint4 a = wa[r][u], b = wb[r][u];
+                F::decode(a.x, b.x, e0[r][u], e1[r][u], 0, lo[r][u][0], hi[r][u][0]);
+                F::decode(a.y, b.y, e0[r][u], e1[r][u], 1, lo[r][u][1], hi[r][u][1]);
+                F::decode(a.z, b.z, e0[r][u], e1[r][u], 2, lo[r][u][2], hi[r][u][2]);
+                F::decode(a.w, b.w, e0[r][u], e1[r][u], 3, lo[r][u][3], hi[r][u][3]);
+                sc[r][u] = s[r][u];
+            }
+        if (g0 + 32 * U < G) load(g0 + 32 * U);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int g = g0 + 32 * u;
             if (g >= G) break;
-            int lo[R][4], hi[R][4];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const uint4 a = wa[r][u], b = wb[r][u];
-                F::decode(a.x, b.x, e0[r][u], e1[r][u], 0, lo[r][0], hi[r][0]);
-                F::decode(a.y, b.y, e0[r][u], e1[r][u], 1, lo[r][1], hi[r][1]);
-                F::decode(a.z, b.z, e0[r][u], e1[r][u], 2, lo[r][2], hi[r][2]);
-                F::decode(a.w, b.w, e0[r][u], e1[r][u], 3, lo[r][3], hi[r][3]);
-            }
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 if (j >= nt) break;
@@ -388,21 +395,23 @@ __global__ void __launch_bounds__(256)
                 const float d = ad[xg], sum = F::has_min ? as[xg] : 0.f;
 #pragma unroll
                 for (int r = 0; r < R; ++r) {  // as matvec_q, term for term
-                    int dl = __dp4a(lo[r][0], x0.x, SUM_BIAS);
-                    int dh = __dp4a(hi[r][0], x1.x, F::split ? SUM_BIAS : 0);
-                    dl = __dp4a(lo[r][1], x0.y, dl);
-                    dh = __dp4a(hi[r][1], x1.y, dh);
-                    dl = __dp4a(lo[r][2], x0.z, dl);
-                    dh = __dp4a(hi[r][2], x1.z, dh);
-                    dl = __dp4a(lo[r][3], x0.w, dl);
-                    dh = __dp4a(hi[r][3], x1.w, dh);
-                    const GroupScale& sc = s[r][u];
+                    const int(&l)[4] = lo[r][u];
+                    const int(&h)[4] = hi[r][u];
+                    int dl = __dp4a(l[0], x0.x, SUM_BIAS);
+                    int dh = __dp4a(h[0], x1.x, F::split ? SUM_BIAS : 0);
+                    dl = __dp4a(l[1], x0.y, dl);
+                    dh = __dp4a(h[1], x1.y, dh);
+                    dl = __dp4a(l[2], x0.z, dl);
+                    dh = __dp4a(h[2], x1.z, dh);
+                    dl = __dp4a(l[3], x0.w, dl);
+                    dh = __dp4a(h[3], x1.w, dh);
+                    const GroupScale& gs = sc[r][u];
                     const float part = F::split
-                                           ? sc.s_lo * biased_sum(dl) + sc.s_hi * biased_sum(dh)
-                                           : sc.s_lo * biased_sum(dl + dh);
+                                           ? gs.s_lo * biased_sum(dl) + gs.s_hi * biased_sum(dh)
+                                           : gs.s_lo * biased_sum(dl + dh);
                     float& a = acc[r * NT + j];
                     a += d * part;
-                    if (F::has_min) a += sc.m * sum;
+                    if (F::has_min) a += gs.m * sum;
                 }
             }
         }
