@@ -39,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_matmul_bench import event_time  # noqa: E402  (CUDA events, median of repeats)
 
 OLD_ENV = {"FASTRUN_SMALL_BATCH": "0", "FASTRUN_GRAPH_EXACT": "0", "FASTRUN_ATTN_FEW_BLOCKS": "256"}
 TOKENS = (1, 2, 4, 8, 9, 16)
@@ -81,22 +82,6 @@ def dispatch(**settings):
 
 OLD = dict(SMALL_BATCH=0)  # in-process: the old split of products (graphs are not involved)
 MATVEC_ONLY = dict(SMALL_BATCH=0, MATVEC_BATCH=16)  # matvec_q for every count up to 16
-
-
-def event_time(run, repeat: int = 10) -> float:
-    """Median seconds of run() over repeat calls timed with CUDA events, after a warm-up."""
-    import cupy as cp
-
-    run()
-    times = []
-    for _ in range(repeat):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
-    return float(np.median(times))
 
 
 # -- correct ------------------------------------------------------------------------------------
@@ -180,7 +165,7 @@ def product_time(backend, ws: list, n: int, settings: dict) -> float:
             for w in ws:
                 backend._product(x, act, w, y)
 
-        return event_time(run)
+        return event_time(run, repeat=10)
 
 
 def part_time(backend) -> None:

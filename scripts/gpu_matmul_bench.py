@@ -65,11 +65,11 @@ def main() -> None:
                 for w in weights:
                     backend._product(xs[w.n_in], acts[w.n_in], w, outs[w.n_out])
 
-            line.append(f"n={n}: {total / _time(run) / 1e9:5.0f}")
+            line.append(f"n={n}: {total / event_time(run) / 1e9:5.0f}")
         print("  GB/s  " + "  ".join(line))
 
 
-def _time(run, repeat: int = 5) -> float:
+def event_time(run, repeat: int = 5) -> float:
     """Median seconds of run() over repeat timed calls, after a warm-up."""
     import cupy as cp
 

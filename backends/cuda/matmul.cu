@@ -141,6 +141,34 @@ extern "C" __global__ void __launch_bounds__(256)
 #define MV_UNROLL1 MV_UNROLL  // the same for one token (decode), which has registers to spare
 #endif
 
+// A group's quads from its plane-0 words (a: words 0..3, b: 4..7 for Q8_0) and extra bits.
+template <class F>
+__device__ __forceinline__ void decode_group(uint4 a, uint4 b, u32 e0, u32 e1, int (&lo)[4],
+                                             int (&hi)[4]) {
+    F::decode(a.x, b.x, e0, e1, 0, lo[0], hi[0]);
+    F::decode(a.y, b.y, e0, e1, 1, lo[1], hi[1]);
+    F::decode(a.z, b.z, e0, e1, 2, lo[2], hi[2]);
+    F::decode(a.w, b.w, e0, e1, 3, lo[3], hi[3]);
+}
+
+// The group's dot product with an activation group (x0: its values 0..15, x1: 16..31) times
+// the weight scales, before the activation's scale and the min term: formats.cuh's
+// s_lo * dot(lo, xq_lo) + s_hi * dot(hi, xq_hi).
+template <class F>
+__device__ __forceinline__ float group_dot(const int (&lo)[4], const int (&hi)[4], int4 x0,
+                                           int4 x1, const GroupScale& sc) {
+    int dl = __dp4a(lo[0], x0.x, SUM_BIAS);
+    int dh = __dp4a(hi[0], x1.x, F::split ? SUM_BIAS : 0);
+    dl = __dp4a(lo[1], x0.y, dl);
+    dh = __dp4a(hi[1], x1.y, dh);
+    dl = __dp4a(lo[2], x0.z, dl);
+    dh = __dp4a(hi[2], x1.z, dh);
+    dl = __dp4a(lo[3], x0.w, dl);
+    dh = __dp4a(hi[3], x1.w, dh);
+    return F::split ? sc.s_lo * biased_sum(dl) + sc.s_hi * biased_sum(dh)
+                    : sc.s_lo * biased_sum(dl + dh);
+}
+
 template <class F, int NT>
 __global__ void __launch_bounds__(MV_WARPS * 32)
     matvec_q(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
@@ -197,26 +225,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
                 const float d = xd[xg], sum = F::has_min ? xs[xg] : 0.f;
 #pragma unroll
                 for (int r = 0; r < MV_ROWS; ++r) {
-                    const uint4 a = wa[r][u], b = wb[r][u];
-                    int lo, hi, dl, dh;
-                    F::decode(a.x, b.x, e0[r][u], e1[r][u], 0, lo, hi);
-                    dl = __dp4a(lo, x0.x, SUM_BIAS);
-                    dh = __dp4a(hi, x1.x, F::split ? SUM_BIAS : 0);
-                    F::decode(a.y, b.y, e0[r][u], e1[r][u], 1, lo, hi);
-                    dl = __dp4a(lo, x0.y, dl);
-                    dh = __dp4a(hi, x1.y, dh);
-                    F::decode(a.z, b.z, e0[r][u], e1[r][u], 2, lo, hi);
-                    dl = __dp4a(lo, x0.z, dl);
-                    dh = __dp4a(hi, x1.z, dh);
-                    F::decode(a.w, b.w, e0[r][u], e1[r][u], 3, lo, hi);
-                    dl = __dp4a(lo, x0.w, dl);
-                    dh = __dp4a(hi, x1.w, dh);
-                    const GroupScale& sc = s[r][u];
-                    const float part = F::split
-                                           ? sc.s_lo * biased_sum(dl) + sc.s_hi * biased_sum(dh)
-                                           : sc.s_lo * biased_sum(dl + dh);
-                    acc[r][j] += d * part;
-                    if (F::has_min) acc[r][j] += sc.m * sum;
+                    int lo[4], hi[4];
+                    decode_group<F>(wa[r][u], wb[r][u], e0[r][u], e1[r][u], lo, hi);
+                    acc[r][j] += d * group_dot<F>(lo, hi, x0, x1, s[r][u]);
+                    if (F::has_min) acc[r][j] += s[r][u].m * sum;
                 }
             }
         }
@@ -374,11 +386,7 @@ __global__ void __launch_bounds__(256)
         for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const uint4 a = wa[r][u], b = wb[r][u];
-                F::decode(a.x, b.x, e0[r][u], e1[r][u], 0, lo[r][u][0], hi[r][u][0]);
-                F::decode(a.y, b.y, e0[r][u], e1[r][u], 1, lo[r][u][1], hi[r][u][1]);
-                F::decode(a.z, b.z, e0[r][u], e1[r][u], 2, lo[r][u][2], hi[r][u][2]);
-                F::decode(a.w, b.w, e0[r][u], e1[r][u], 3, lo[r][u][3], hi[r][u][3]);
+                decode_group<F>(wa[r][u], wb[r][u], e0[r][u], e1[r][u], lo[r][u], hi[r][u]);
                 sc[r][u] = s[r][u];
             }
         if (g0 + 32 * U < G) load(g0 + 32 * U);
@@ -395,23 +403,9 @@ __global__ void __launch_bounds__(256)
                 const float d = ad[xg], sum = F::has_min ? as[xg] : 0.f;
 #pragma unroll
                 for (int r = 0; r < R; ++r) {  // as matvec_q, term for term
-                    const int(&l)[4] = lo[r][u];
-                    const int(&h)[4] = hi[r][u];
-                    int dl = __dp4a(l[0], x0.x, SUM_BIAS);
-                    int dh = __dp4a(h[0], x1.x, F::split ? SUM_BIAS : 0);
-                    dl = __dp4a(l[1], x0.y, dl);
-                    dh = __dp4a(h[1], x1.y, dh);
-                    dl = __dp4a(l[2], x0.z, dl);
-                    dh = __dp4a(h[2], x1.z, dh);
-                    dl = __dp4a(l[3], x0.w, dl);
-                    dh = __dp4a(h[3], x1.w, dh);
-                    const GroupScale& gs = sc[r][u];
-                    const float part = F::split
-                                           ? gs.s_lo * biased_sum(dl) + gs.s_hi * biased_sum(dh)
-                                           : gs.s_lo * biased_sum(dl + dh);
                     float& a = acc[r * NT + j];
-                    a += d * part;
-                    if (F::has_min) a += gs.m * sum;
+                    a += d * group_dot<F>(lo[r][u], hi[r][u], x0, x1, sc[r][u]);
+                    if (F::has_min) a += sc[r][u].m * sum;
                 }
             }
         }
