@@ -54,10 +54,19 @@ SWEEP_TILES = {
     16: ((2, 1), (2, 2), (4, 1)),
 }
 SWEEP_WARPS = (4, 8)
+FEW_UNROLLS = (4, 8)  # matmul_few's groups in flight a lane
 SWEEP_SHAPES = ((11008, 4096),)
 
 started = time.perf_counter()
+deadline = started + 460.0  # main() sets it from --budget
 results: dict = {}
+
+
+def out_of_time(what: str) -> bool:
+    if time.perf_counter() < deadline:
+        return False
+    log(f"{what}: out of time, the rest skipped")
+    return True
 
 
 def log(*parts) -> None:
@@ -81,6 +90,7 @@ def dispatch(**settings):
 
 
 OLD = dict(SMALL_BATCH=0)  # in-process: the old split of products (graphs are not involved)
+TIMED = (("old", OLD), ("new", {}), ("few_mma", dict(FEW_MMA_FROM=2)))
 MATVEC_ONLY = dict(SMALL_BATCH=0, MATVEC_BATCH=16)  # matvec_q for every count up to 16
 
 
@@ -96,7 +106,7 @@ def part_correct(backend) -> None:
 
     ref = ReferenceBackend()
     rng = np.random.default_rng(0)
-    worst, unequal = 0.0, []
+    worst, few_worst, unequal = 0.0, 0.0, []
     for qtype in KERNEL_FORMATS:
         for n_out, n_in in ((200, 512), (72, 3328)):  # rows not a multiple of a block's
             raw = random_blocks(qtype, n_out, n_in, rng)
@@ -116,18 +126,23 @@ def part_correct(backend) -> None:
                     got["matvec_q"] = cp.asnumpy(backend.matmul(xd, w))
                 with dispatch(**OLD):
                     got["old"] = cp.asnumpy(backend.matmul(xd, w))
+                with dispatch(FEW_MMA_FROM=2):
+                    got["few_mma"] = cp.asnumpy(backend.matmul(xd, w))
                 scale = float(np.abs(expect).max())
                 err = {k: float(np.abs(v - expect).max()) / scale for k, v in got.items()}
                 errs.append(err["new"])
+                few_worst = max(few_worst, err["few_mma"])
                 worst = max(worst, err["new"], err["unstaged"])
                 for k in ("unstaged", "matvec_q"):
                     if not np.array_equal(got["new"], got[k]):
                         unequal.append((qtype, n_in, n, k))
-                if err["new"] > 1e-4 or err["unstaged"] > 1e-4:
+                if max(err["new"], err["unstaged"], err["few_mma"]) > 1e-4:
                     log(f"  FAIL {qtype} {n_out}x{n_in} n={n}: {err}")
             log(f"{qtype:5s} {n_out}x{n_in}: new rel err max {max(errs):.2e} over n=1..16")
-    results["correct"] = {"worst_rel_err": worst, "not_bit_identical": unequal}
-    log(f"correct: worst rel err {worst:.2e} (parity tolerance 1e-4)")
+    results["correct"] = {
+        "worst_rel_err": worst, "few_mma_worst_rel_err": few_worst, "not_bit_identical": unequal
+    }  # fmt: skip
+    log(f"correct: worst rel err {worst:.2e}, matmul_few's {few_worst:.2e} (parity: 1e-4)")
     log(f"correct: new path not bit-identical to matvec_q / unstaged in {len(unequal)} cases")
     for case in unequal[:20]:
         log("   ", case)
@@ -165,7 +180,7 @@ def product_time(backend, ws: list, n: int, settings: dict) -> float:
             for w in ws:
                 backend._product(x, act, w, y)
 
-        return event_time(run, repeat=10)
+        return event_time(run, repeat=7)
 
 
 def part_time(backend) -> None:
@@ -174,26 +189,25 @@ def part_time(backend) -> None:
     rows = []
     for qtype in ("Q4_0", "Q4_K"):
         for n_out, n_in in SHAPES_7B:
+            if out_of_time("time"):
+                break
             ws = weight_copies(backend, qtype, n_out, n_in)
             total = sum(w.nbytes for w in ws)
-            per = {}
-            for n in TOKENS:
-                per[n] = {
-                    k: product_time(backend, ws, n, s) for k, s in (("old", OLD), ("new", {}))
-                }
+            per = {n: {k: product_time(backend, ws, n, s) for k, s in TIMED} for n in TOKENS}
             line = []
             for n in TOKENS:
-                old, new = per[n]["old"], per[n]["new"]
-                row = {"type": qtype, "shape": f"{n_out}x{n_in}", "n": n,
-                       "old_GBs": total / old / 1e9, "new_GBs": total / new / 1e9,
-                       "old_vs_n1": old / per[1]["old"], "new_vs_n1": new / per[1]["new"],
-                       "new_vs_old_n1": new / per[1]["old"]}  # fmt: skip
+                row = {"type": qtype, "shape": f"{n_out}x{n_in}", "n": n}
+                for k, _ in TIMED:
+                    row[f"{k}_GBs"] = total / per[n][k] / 1e9
+                    row[f"{k}_vs_n1"] = per[n][k] / per[1]["old"]
                 rows.append(row)
                 line.append(
-                    f"n={n}: {row['old_GBs']:5.0f}/{row['new_GBs']:5.0f} GB/s "
-                    f"x{row['old_vs_n1']:.2f}/x{row['new_vs_n1']:.2f}"
-                )
-            log(f"{qtype} {n_out}x{n_in} (old/new, time over n=1's): " + "  ".join(line))
+                    f"n={n}: " + "/".join(f"{row[f'{k}_GBs']:4.0f}" for k, _ in TIMED) + " GB/s x"
+                    + "/x".join(f"{row[f'{k}_vs_n1']:.2f}" for k, _ in TIMED)
+                )  # fmt: skip
+            log(f"{qtype} {n_out}x{n_in} ({'/'.join(k for k, _ in TIMED)}, time over n=1's):")
+            for text in line:
+                log("    " + text)
             del ws
             cp.get_default_memory_pool().free_all_blocks()
     results["time"] = rows
@@ -213,6 +227,7 @@ def sweep_module(formats):
         for t, shapes in SWEEP_TILES.items()
         for r, u in shapes
     ]
+    names += [f"matmul_few<{f}, {nf}, {u}>" for f in formats for nf in (1, 2) for u in FEW_UNROLLS]
     options = ("-std=c++17", f"-I{SOURCES}", "-DMV_ROWS=1", "-DMV_UNROLL1=4")
     module = cp.RawModule(
         code=(SOURCES / "matmul.cu").read_text(), options=options, name_expressions=names
@@ -220,94 +235,127 @@ def sweep_module(formats):
     return module
 
 
-def time_tile(kernel, launch: tuple, ws: list, act: tuple, expect, n: int) -> tuple:
-    """(whether its result for ws[0] equals `expect` bit for bit, seconds over all of ws) of a
-    matvec_tile kernel launched as `launch` (grid, block, shared, stage: tile_launch's)."""
+def time_kernel(kernel, launch: tuple, tail: tuple, ws: list, act: tuple, expect, n: int):
+    """(max |difference| over max |expect| of its result for ws[0], seconds over all of ws)
+    of a product kernel launched as `launch` (grid, block, shared bytes) with the arguments
+    of matvec_q and then `tail`."""
     import cupy as cp
 
-    grid, block, shared, stage = launch
+    grid, block, shared = launch
     y = cp.empty_like(expect)
     i32 = np.int32
 
     def run(w_list=ws):
         for w in w_list:
             args = (*w.plane_args(), *act, y, i32(w.n_in), i32(w.n_out), i32(n), i32(0))
-            kernel(grid, block, (*args, i32(stage)), shared_mem=shared)
+            kernel(grid, block, (*args, *tail), shared_mem=shared)
 
     run(ws[:1])
-    same = bool(cp.array_equal(y, expect))
-    return same, event_time(run, repeat=5)
+    diff = float(cp.abs(y - expect).max() / cp.abs(expect).max())
+    return diff, event_time(run, repeat=3)
+
+
+def sweep_point(backend, module, ws: list, n: int) -> list[dict]:
+    """Every matvec_tile shape (SWEEP_TILES x SWEEP_WARPS, staged or not) and matmul_few's
+    (FEW_UNROLLS x SWEEP_WARPS) for n tokens over the weights ws, fastest first."""
+    import cupy as cp
+
+    from fastrun.backends.cuda.backend import few_mma_launch, tile_launch
+
+    w0 = ws[0]
+    optin = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    total = sum(w.nbytes for w in ws)
+    bucket = 1 << (n - 1).bit_length()
+    x = cp.asarray(np.random.default_rng(n).standard_normal((n, w0.n_in)), cp.float32)
+    with dispatch(**MATVEC_ONLY):
+        act = backend._quantize(x, w0.per_256)
+        expect = cp.empty((n, w0.n_out), cp.float32)
+        backend._product(x, act, w0, expect)
+    tiled = backend._quantize(x, w0.per_256, tiled=True)
+    runs = []  # (kernel, shape, warps, stage, launch, extra arguments, activation)
+    for rows, unroll in SWEEP_TILES[bucket]:
+        for warps in SWEEP_WARPS:
+            for stage_max in (0, optin):
+                name, grid, block, shared, stage = tile_launch(
+                    w0, n, (bucket, rows, unroll), warps, stage_max
+                )
+                if stage_max == 0 or stage:  # (else too large to stage)
+                    shape = f"{bucket}:{rows}:{unroll}"
+                    launch, tail = (name, grid, block, shared), (np.int32(stage),)
+                    runs.append(("tile", shape, warps, stage, launch, tail, act))
+    for unroll in FEW_UNROLLS if n > 1 else ():
+        for warps in SWEEP_WARPS:
+            name, grid, block = few_mma_launch(w0, n, warps, unroll)
+            runs.append(("few_mma", f"u{unroll}", warps, False, (name, grid, block, 0), (), tiled))
+    timings = []
+    for kernel_name, shape, warps, stage, (name, *launch), tail, activation in runs:
+        kernel = module.get_function(name)
+        if kernel_name == "tile":  # (matmul_few's shared memory is static)
+            kernel.max_dynamic_shared_size_bytes = optin
+        diff, seconds = time_kernel(kernel, launch, tail, ws, activation, expect, n)
+        timings.append(
+            {
+                "shape": f"{w0.n_out}x{w0.n_in}",
+                "n": n,
+                "kernel": kernel_name,
+                "tile": shape,
+                "warps": warps,
+                "stage": stage,
+                "GBs": total / seconds / 1e9,
+                "seconds": seconds,
+                "diff": diff,
+                "bit_identical": diff == 0.0,
+            }  # fmt: skip
+        )
+    timings.sort(key=lambda r: r["seconds"])
+    timings.append({"n": n, "kernel": "matvec_q", "tile": "-", "warps": 8, "stage": False,
+                    "GBs": total / product_time(backend, ws, n, MATVEC_ONLY) / 1e9})  # fmt: skip
+    return timings
 
 
 def part_sweep(backend) -> None:
     import cupy as cp
 
-    from fastrun.backends.cuda.backend import tile_launch
-
     t0 = time.perf_counter()
     formats = {"Q4_0": "FmtQ4_0", "Q4_K": "FmtQ4_K"}
     module = sweep_module(formats.values())
-    optin = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
     found = []
     for qtype in formats:
         for n_out, n_in in SWEEP_SHAPES:
             ws = weight_copies(backend, qtype, n_out, n_in)
-            total = sum(w.nbytes for w in ws)
             for n in TOKENS:
-                bucket = 1 << (n - 1).bit_length()
-                x = cp.asarray(np.random.default_rng(n).standard_normal((n, n_in)), cp.float32)
-                with dispatch(**MATVEC_ONLY):
-                    act = backend._quantize(x, ws[0].per_256)
-                    expect = cp.empty((n, n_out), cp.float32)
-                    backend._product(x, act, ws[0], expect)
-                timings = []
-                for rows, unroll in SWEEP_TILES[bucket]:
-                    for warps in SWEEP_WARPS:
-                        for stage_max in (0, optin):
-                            launch = tile_launch(ws[0], n, (bucket, rows, unroll), warps, stage_max)
-                            if stage_max and not launch[4]:
-                                continue  # too large to stage
-                            kernel = module.get_function(launch[0])
-                            kernel.max_dynamic_shared_size_bytes = optin
-                            same, seconds = time_tile(kernel, launch[1:], ws, act, expect, n)
-                            timings.append(
-                                {
-                                    "type": qtype,
-                                    "shape": f"{n_out}x{n_in}",
-                                    "n": n,
-                                    "tile": f"{bucket}:{rows}:{unroll}",
-                                    "warps": warps,
-                                    "stage": launch[4],
-                                    "GBs": total / seconds / 1e9,
-                                    "seconds": seconds,
-                                    "bit_identical": same,
-                                }
-                            )
-                timings.sort(key=lambda r: r["seconds"])
+                if out_of_time("sweep"):
+                    break
+                timings = sweep_point(backend, module, ws, n)
+                for r in timings:
+                    r["type"] = qtype
                 found += timings
                 best = ", ".join(
-                    f"{r['tile']} w{r['warps']} s{int(r['stage'])} {r['GBs']:.0f}"
+                    f"{r['kernel']} {r['tile']} w{r['warps']} s{int(r['stage'])} {r['GBs']:.0f}"
                     for r in timings[:4]
                 )
-                wrong = [r for r in timings if not r["bit_identical"]]
-                matvec = total / product_time(backend, ws, n, MATVEC_ONLY) / 1e9
-                log(f"sweep {qtype} {n_out}x{n_in} n={n}: best {best} GB/s; matvec_q {matvec:.0f}"
-                    + (f"; NOT bit-identical: {len(wrong)}" if wrong else ""))  # fmt: skip
+                measured = [r for r in timings if "diff" in r]
+                wrong = [r for r in measured if r["kernel"] == "tile" and not r["bit_identical"]]
+                wrong += [r for r in measured if r["diff"] > 1e-4]
+                log(f"sweep {qtype} {n_out}x{n_in} n={n}: best {best} GB/s; "
+                    f"matvec_q {timings[-1]['GBs']:.0f}"
+                    + (f"; WRONG: {len(wrong)} {wrong[:3]}" if wrong else ""))  # fmt: skip
             del ws
             cp.get_default_memory_pool().free_all_blocks()
     results["sweep"] = found
-    # per bucket: the shape (tile, warps, stage) with the least time summed over types, shapes
-    # and the token counts of the bucket
+    # per bucket: the kernel and shape with the least time summed over types, shapes and the
+    # token counts of the bucket
     summed: dict = {}
     for r in found:
-        key = (1 << (r["n"] - 1).bit_length(), r["tile"], r["warps"], r["stage"])
-        summed[key] = summed.get(key, 0.0) + r["seconds"]
+        if "diff" in r:
+            key = (1 << (r["n"] - 1).bit_length(), r["kernel"], r["tile"], r["warps"], r["stage"])
+            summed[key] = summed.get(key, 0.0) + r["seconds"]
     best = {}
-    for (bucket, tile, warps, stage), s in summed.items():
-        if bucket not in best or s < best[bucket][0]:
-            best[bucket] = (s, tile, warps, stage)
-    for bucket, (_, tile, warps, stage) in sorted(best.items()):
-        log(f"sweep best for {bucket} tokens: tile {tile}, {warps} warps, staged {stage}")
+    for (bucket, kernel, tile, warps, stage), seconds in summed.items():
+        if bucket not in best or seconds < best[bucket][0]:
+            best[bucket] = (seconds, kernel, tile, warps, stage)
+    for bucket, (_, kernel, tile, warps, stage) in sorted(best.items()):
+        log(f"sweep best for {bucket} tokens: {kernel} {tile}, {warps} warps, staged {stage}")
     log(f"sweep took {time.perf_counter() - t0:.0f} s")
     results["sweep_best"] = {str(b): v[1:] for b, v in best.items()}
 
@@ -338,10 +386,11 @@ VERIFY_RUNS = (
     ("new", {}),
     ("old", OLD_ENV),
     ("new, attention splits as before", {"FASTRUN_ATTN_FEW_BLOCKS": "256"}),
+    ("new, tensor cores (matmul_few) from 5 tokens", {"FASTRUN_FEW_MMA_FROM": "5"}),
 )
 
 
-def part_verify(deadline: float) -> None:
+def part_verify() -> None:
     cmd = ["scripts/spec_bench.py", "--verify-cost", "--backend", "cuda", "--shape", "llama2-7b"]
     out = {}
     for label, env in VERIFY_RUNS:
@@ -356,7 +405,7 @@ def part_verify(deadline: float) -> None:
         log(f"verify {label}: " + " ".join(f"{r['tokens']}:{r['vs_decode_step']}" for r in rows))
 
 
-def part_tg(deadline: float) -> None:
+def part_tg() -> None:
     cmd = ["scripts/gpu_bench.py", "--shapes", "llama2-7b", "--types", "Q4_0", "--no-torch"]
     out = {}
     for label, env in (("new", {}), ("old", OLD_ENV)):
@@ -377,6 +426,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=460, help="seconds for all parts")
     ap.add_argument("--json", type=Path, help="write the results here (after every part)")
     args = ap.parse_args()
+    global deadline
     deadline = started + args.budget
     backend = None
     failed = []
@@ -388,7 +438,7 @@ def main() -> int:
         log(f"== {part} ==")
         try:
             if part in ("verify", "tg"):
-                {"verify": part_verify, "tg": part_tg}[part](deadline)
+                {"verify": part_verify, "tg": part_tg}[part]()
             else:
                 if backend is None:
                     from fastrun.backends.cuda.backend import CUDABackend

@@ -48,6 +48,12 @@ SMALL_TILES = tuple(
 )
 SMALL_WARPS = int(os.environ.get("FASTRUN_SMALL_WARPS", "4"))
 SMALL_STAGE = int(os.environ.get("FASTRUN_SMALL_STAGE", str(100 * 1024)))
+# From FEW_MMA_FROM tokens up to SMALL_BATCH (0: never), matmul_few instead: tensor cores,
+# the weights loaded straight into registers (near matvec_q's results, not bit-identical),
+# blocks of FEW_MMA_WARPS warps, FEW_MMA_UNROLL groups a lane in flight
+FEW_MMA_FROM = int(os.environ.get("FASTRUN_FEW_MMA_FROM", "0"))
+FEW_MMA_WARPS = int(os.environ.get("FASTRUN_FEW_MMA_WARPS", "8"))
+FEW_MMA_UNROLL = 4
 # one token through matvec_tile as well, "rows a warp:groups in flight:warps a block" (empty:
 # matvec_q, tuned by FASTRUN_MATVEC)
 ONE_TILE = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC1_TILE", "").split(":") if v)
@@ -122,6 +128,7 @@ class _Kernels:
             names += [f"matmul_mma<{f}, {w}>" for w in MMA_WARPS]
             names += [f"embed_q<{f}>", f"dequant_f16<{f}>"]
             names += [f"matvec_tile<{f}, {r}, {t}, {u}>" for t, r, u in small_tiles()]
+            names += [f"matmul_few<{f}, {nf}, {FEW_MMA_UNROLL}>" for nf in (1, 2)]
         for t in ("__half", "float"):
             names += [f"matvec_f<{t}, {n}>" for n in MATVEC_TOKENS] + [f"embed_f<{t}>"]
         self.matmul = cp.RawModule(
@@ -153,12 +160,26 @@ def _tensor_cores(n: int, n_in: int) -> bool:
     whose activations are tiled (quantize.cuh); else a matvec or cuBLAS."""
     if _takes_tile(n):
         return False
+    if _few_mma(n):
+        return True
     return MATVEC_BATCH < n < DENSE_ROWS and n_in % (32 * MMA_ROW_GROUPS) == 0
+
+
+def _few_mma(n: int) -> bool:
+    """Whether a quantized product of n tokens takes matmul_few."""
+    return 0 < FEW_MMA_FROM <= n <= SMALL_BATCH and n > 1
 
 
 def _takes_tile(n: int) -> bool:
     """Whether a quantized product of n tokens takes matvec_tile."""
-    return 1 < n <= SMALL_BATCH or (n == 1 and bool(ONE_TILE))
+    return (1 < n <= SMALL_BATCH and not _few_mma(n)) or (n == 1 and bool(ONE_TILE))
+
+
+def few_mma_launch(w: CUDAWeight, n: int, warps: int, unroll: int):
+    """(kernel name, grid, block) of matmul_few for n tokens (tiles of 16) with w."""
+    fragments = 1 if n <= 8 else 2  # of 8 tokens
+    name = f"matmul_few<{w.kernel_format}, {fragments}, {unroll}>"
+    return name, (-(-w.n_out // 16), -(-n // 16)), (32 * warps,)
 
 
 def small_tiles() -> list[tuple[int, int, int]]:
@@ -341,6 +362,10 @@ class CUDABackend(Backend):
             kernel(grid, (256,), (w.planes[0], x, y, *args))
             return
         inputs = (*w.plane_args(), *act, y, *args)
+        if _few_mma(n):
+            name, grid, block = few_mma_launch(w, n, FEW_MMA_WARPS, FEW_MMA_UNROLL)
+            self.k(name)(grid, block, inputs)
+            return
         if _takes_tile(n):
             if n == 1:
                 tile, warps = (1, *ONE_TILE[:2]), ONE_TILE[2]

@@ -696,6 +696,119 @@ __global__ void __launch_bounds__(W * 32, MMA_SM_WARPS / W)
     }
 }
 
+// ---- a few tokens on tensor cores, the weights straight into registers --------------------
+// A block computes 16 weight rows x up to 8 * NF tokens (one tile of the tiled activation,
+// quantize.cuh); its warps (blockDim.x / 32, at most 8) split the rows' groups into
+// contiguous ranges. Each lane loads its own A-fragment words (load_quad: word t of rows gq
+// and gq + 8), the next U groups' loads issued while these U are multiplied, and reads the
+// activation's B fragments through L1 (a fragment: 256 contiguous bytes). The warps' partial
+// sums meet in shared memory. Results are near, not bit-identical to, matvec_q's (another
+// order of summation); an alternative to matvec_tile that the backend takes where told to.
+
+template <class F, int NF, int U>
+__global__ void __launch_bounds__(256)
+    matmul_few(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
+               const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
+               int accumulate) {
+    pdl_trigger();
+    const Planes P = PLANES;
+    __shared__ float partial[8][NF * 4][32];
+    const int G = K >> 5, warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+    const int row_base = blockIdx.x * 16, tile = blockIdx.y;
+    const int per = (G + warps - 1) / warps, ga = min(G, warp * per), gb = min(G, ga + per);
+    const int rows[2] = {min(row_base + gq, N - 1), min(row_base + gq + 8, N - 1)};
+
+    int lo[U][2], hi[U][2];
+    GroupScale sc[U][2];
+    auto load = [&](int g0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + u;
+            if (g < gb) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const long long rg = (long long)rows[h] * G + g;
+                    load_quad<F>(P, rg, t, lo[u][h], hi[u][h]);
+                    sc[u][h] = F::scale(P, rg, (long long)rows[h] * (G >> 3) + (g >> 3));
+                }
+            }
+        }
+    };
+    load(ga);
+    pdl_wait();
+    const long long x0 = (long long)tile * G * 16;  // the tile's group 0, token 0
+    const signed char* xb = xq + (x0 + gq) * 32 + 8 * t;  // B column gq: words t and 4 + t
+    const float* xdt = xd + x0 + 2 * t;  // the scales of tokens 2t and 2t + 1
+    const float* xst = xs + x0 + 2 * t;
+    float acc[NF][4];
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[f][e] = 0.f;
+    for (int g0 = ga; g0 < gb; g0 += U) {
+        int clo[U][2], chi[U][2];
+        GroupScale cs[U][2];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                clo[u][h] = lo[u][h];
+                chi[u][h] = hi[u][h];
+                cs[u][h] = sc[u][h];
+            }
+        if (g0 + U < gb) load(g0 + U);  // on their way while these are multiplied
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + u;
+            if (g >= gb) break;
+#pragma unroll
+            for (int f = 0; f < NF; ++f) {
+                const int at = g * 16 + f * 8;  // the fragment's first token's group
+                const int2 b = *reinterpret_cast<const int2*>(xb + (long long)at * 32);
+                const float2 d = *reinterpret_cast<const float2*>(xdt + at);
+                const float2 m = F::has_min ? *reinterpret_cast<const float2*>(xst + at)
+                                            : make_float2(0.f, 0.f);
+                int c_lo[4], c_hi[4];
+                if (F::split) {
+                    mma_k16(c_lo, clo[u][0], clo[u][1], b.x, SUM_BIAS);
+                    mma_k16(c_hi, chi[u][0], chi[u][1], b.y, SUM_BIAS);
+                } else {
+                    mma_k32(c_lo, clo[u][0], clo[u][1], chi[u][0], chi[u][1], b.x, b.y, SUM_BIAS);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const GroupScale& gs = cs[u][e >> 1];
+                    const float p = F::split ? gs.s_lo * biased_sum(c_lo[e]) +
+                                                   gs.s_hi * biased_sum(c_hi[e])
+                                             : gs.s_lo * biased_sum(c_lo[e]);
+                    acc[f][e] += (e & 1 ? d.y : d.x) * p;
+                    if (F::has_min) acc[f][e] += gs.m * (e & 1 ? m.y : m.x);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) partial[warp][f * 4 + e][lane] = acc[f][e];
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float v = 0.f;
+            for (int w = 0; w < warps; ++w) v += partial[w][f * 4 + e][lane];
+            const int row = row_base + gq + 8 * (e >> 1);
+            const int tok = tile * 16 + 8 * f + 2 * t + (e & 1);
+            if (row < N && tok < n_tok) {
+                float* out = y + (long long)tok * N + row;
+                *out = accumulate ? *out + v : v;
+            }
+        }
+}
+
 // ---- float weights (F16 with fp16-rounded activations, F32) --------------------------------
 
 template <class T, int NT>
