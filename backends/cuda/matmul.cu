@@ -1,8 +1,10 @@
 // Quantized matrix products: y [n, N] = x [n, K] @ W.T, W [N, K] in repacked planes.
 //
 // The activation is first quantized to 8 bits as llama.cpp's CPU path pairs it with the
-// weight format (quantize_rows), then multiplied in integers: dp4a for a few tokens
-// (matvec_q, decode), int8 tensor-core mma for many (matmul_mma, prefill and batches).
+// weight format (quantize_rows), then multiplied in integers: dp4a for one token (matvec_q,
+// decode) and for 2..16 (matvec_tile: each weight read once for all of them, the same sums
+// per token), int8 tensor-core mma for more (matmul_mma; matmul_few, an alternative for a
+// few tokens the backend takes where told to).
 #include "formats.cuh"
 #include "launch.cuh"
 #include "quantize.cuh"
