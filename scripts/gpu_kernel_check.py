@@ -6,18 +6,22 @@ in one call: each part prints as it goes and a failure in one does not stop the 
     python scripts/gpu_kernel_check.py --parts correct,time --json $OUT/check.json
 
 Parts:
-  correct  every weight format, 1..16 tokens: the new path against the NumPy reference (max abs
-           error over max |reference|), and bit for bit against the dp4a matvec (matvec_q),
-           staged and unstaged activations alike
+  correct  every weight format, 1..16 tokens: the new path (matvec_tile) and matmul_few against
+           the NumPy reference (max abs error over max |reference|; the parity tests allow
+           1e-4), and matvec_tile bit for bit against the dp4a matvec (matvec_q), staged and
+           unstaged activations alike
   time     the 7B-shaped products (n_out x n_in: 4096x4096, 11008x4096, 4096x11008, 32000x4096)
-           for Q4_0 and Q4_K at 1, 2, 4, 8, 9, 16 tokens, the old dispatch (dp4a matvec up to 4
-           tokens, tensor cores above) against the new, in GB/s of weights and time over n=1's
-  sweep    matvec_tile's shapes (tokens a block, rows a warp, groups in flight, warps a block,
-           staged or not) on two of the products; the best per bucket as FASTRUN_SMALL_TILES
-  verify   scripts/spec_bench.py --verify-cost --shape llama2-7b: old, new, new with the old
-           attention splits
-  tg       scripts/gpu_bench.py on the 7B Q4_0 shape (tg128 at depth 512, batch 1 and 16),
-           old against new
+           for Q4_0 and Q4_K at 1, 2, 4, 8, 9, 16 tokens: old dispatch (dp4a matvec up to 4
+           tokens, tensor cores above) / new (matvec_tile for 2..16) / matmul_few for 2..16, in
+           GB/s of weights and time over the old n=1's
+  verify   scripts/spec_bench.py --verify-cost --shape llama2-7b: new, old, new with the old
+           attention splits, new with matmul_few from 5 tokens (each a subprocess, ~40 s)
+  sweep    matvec_tile's shapes (tokens a block:rows a warp:groups in flight, warps a block,
+           staged or not) and matmul_few's (groups in flight, warps) on the 11008x4096 product;
+           the best per bucket of tokens (FASTRUN_SMALL_TILES, FASTRUN_SMALL_WARPS,
+           FASTRUN_SMALL_STAGE; FASTRUN_MATVEC1_TILE for one token)
+  tg       scripts/gpu_bench.py on the 7B Q4_0 shape (pp512, tg128 at depth 512, batch 1 and
+           16), new against old
 
 The old dispatch is FASTRUN_SMALL_BATCH=0 FASTRUN_GRAPH_EXACT=0 FASTRUN_ATTN_FEW_BLOCKS=256.
 """
