@@ -360,6 +360,19 @@ def part_sweep(backend) -> None:
             best[bucket] = (seconds, kernel, tile, warps, stage)
     for bucket, (_, kernel, tile, warps, stage) in sorted(best.items()):
         log(f"sweep best for {bucket} tokens: {kernel} {tile}, {warps} warps, staged {stage}")
+    tiles = [f"{tile}:{warps}" for b, (_, k, tile, warps, _) in sorted(best.items()) if b > 1]
+    if all(k == "tile" for b, (_, k, *_) in best.items() if b > 1):
+        log(f"sweep: FASTRUN_SMALL_TILES={','.join(tiles)}")
+    else:
+        few = min(b for b, (_, k, *_) in best.items() if k == "few_mma")
+        log(f"sweep: tensor cores best from the {few}-token bucket: FASTRUN_FEW_MMA_FROM=...")
+    if 1 in best:  # one token: the best tile against matvec_q's
+        one = min((r for r in found if r["n"] == 1 and "diff" in r), key=lambda r: r["seconds"])
+        matvec = [r["GBs"] for r in found if r["n"] == 1 and r["kernel"] == "matvec_q"]
+        rows, unroll = one["tile"].split(":")[1:]
+        setting = f"FASTRUN_MATVEC1_TILE={rows}:{unroll}:{one['warps']}"
+        log(f"sweep: one token, best tile {one['GBs']:.0f} GB/s against matvec_q's {matvec}: "
+            f"{setting}, staged {one['stage']}")  # fmt: skip
     log(f"sweep took {time.perf_counter() - t0:.0f} s")
     results["sweep_best"] = {str(b): v[1:] for b, v in best.items()}
 

@@ -39,9 +39,10 @@ MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
 # per token to the one-token matvec's. 0 turns it off: then the dp4a matvec up to
 # MATVEC_BATCH tokens, the tensor-core kernel above, as before.
 SMALL_BATCH = int(os.environ.get("FASTRUN_SMALL_BATCH", "16"))
-# its shapes, "tokens a block:rows a warp:groups in flight a lane" for each bucket of tokens
-# (a product of n tokens takes the first that holds n, or blocks of the last), warps a block,
-# and the most bytes of a block's activations staged in shared memory (more: read via L1)
+# its shapes, "tokens a block:rows a warp:groups in flight a lane[:warps a block]" for each
+# bucket of tokens (a product of n tokens takes the first that holds n, or blocks of the
+# last), the warps a block where a shape names none, and the most bytes of a block's
+# activations staged in shared memory (more: read through L1)
 SMALL_TILES = tuple(
     tuple(int(v) for v in tile.split(":"))
     for tile in os.environ.get("FASTRUN_SMALL_TILES", "2:2:2,4:2:2,8:4:1,16:4:1").split(",")
@@ -185,7 +186,7 @@ def few_mma_launch(w: CUDAWeight, n: int, warps: int, unroll: int):
 def small_tiles() -> list[tuple[int, int, int]]:
     """(tokens a block, rows a warp, groups in flight) of every matvec_tile the backend may
     launch: SMALL_TILES, and ONE_TILE's for one token."""
-    tiles = list(SMALL_TILES)
+    tiles = [tile[:3] for tile in SMALL_TILES]
     if ONE_TILE:
         tiles.append((1, ONE_TILE[0], ONE_TILE[1]))
     return tiles
@@ -370,8 +371,8 @@ class CUDABackend(Backend):
             if n == 1:
                 tile, warps = (1, *ONE_TILE[:2]), ONE_TILE[2]
             else:
-                tile = next((t for t in SMALL_TILES if t[0] >= n), SMALL_TILES[-1])
-                warps = SMALL_WARPS
+                shape = next((t for t in SMALL_TILES if t[0] >= n), SMALL_TILES[-1])
+                tile, warps = shape[:3], shape[3] if len(shape) > 3 else SMALL_WARPS
             name, grid, block, shared, stage = tile_launch(w, n, tile, warps, SMALL_STAGE)
             self.k(name)(grid, block, (*inputs, _i32(stage)), shared)
             return
