@@ -177,10 +177,11 @@ def _takes_tile(n: int) -> bool:
 
 
 def few_mma_launch(w: CUDAWeight, n: int, warps: int, unroll: int):
-    """(kernel name, grid, block) of matmul_few for n tokens (tiles of 16) with w."""
+    """(kernel name, grid, block) of matmul_few for n tokens (tiles of 16) with w, in blocks
+    of `warps` warps (at most 8: its shared memory holds 8 warps' partial sums)."""
     fragments = 1 if n <= 8 else 2  # of 8 tokens
     name = f"matmul_few<{w.kernel_format}, {fragments}, {unroll}>"
-    return name, (-(-w.n_out // 16), -(-n // 16)), (32 * warps,)
+    return name, (-(-w.n_out // 16), -(-n // 16)), (32 * min(warps, 8),)
 
 
 def small_tiles() -> list[tuple[int, int, int]]:
