@@ -57,10 +57,14 @@ class RefWeight(Weight):
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU's tanh form in float32, as ggml_gelu_f32."""
+    """GELU's tanh form in float32, as ggml_gelu_f32 compiled for an FMA machine: 1 + a*x*x
+    contracted to one fused multiply-add (emulated exactly in float64), tanhf correctly
+    rounded. On fp16 inputs this reproduces llama.cpp's GELU table bit for bit."""
     x = np.asarray(x, np.float32)
-    inner = np.float32(0.7978845608028654) * x * (np.float32(1) + np.float32(0.044715) * x * x)
-    tanh = np.tanh(inner.astype(np.float64)).astype(np.float32)  # as tanhf, correctly rounded
+    ax = np.float32(0.044715) * x
+    poly = (ax.astype(np.float64) * x + 1).astype(np.float32)  # fma(a*x, x, 1)
+    inner = np.float32(0.7978845608028654) * x * poly
+    tanh = np.tanh(inner.astype(np.float64)).astype(np.float32)
     return np.float32(0.5) * x * (np.float32(1) + tanh)
 
 
@@ -104,8 +108,11 @@ class ReferenceBackend(Backend):
 
     def rms_norm(self, x, weight, eps):
         x = np.asarray(x, np.float32)
-        ms = (x.astype(np.float64) ** 2).mean(axis=1, keepdims=True)
-        return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * weight
+        # as ggml: float32 squares summed in float64, then the mean and scale in float32
+        squares = (x * x).astype(np.float64)
+        mean = (squares.sum(axis=1, keepdims=True) / x.shape[1]).astype(np.float32)
+        scale = np.float32(1) / np.sqrt(mean + np.float32(eps))
+        return (x * scale) * weight
 
     def rope(self, x, positions, rope):
         theta = rope_angles(np.asarray(positions), rope)  # [n, half]
@@ -174,6 +181,8 @@ class ReferenceBackend(Backend):
                 s = k @ qh[i, j].astype(np.float64) * scale
                 if softcap > 0:
                     s = softcap * np.tanh(s / softcap)
-                p = np.exp(s - s.max())
-                out[i, j] = (p @ v_cache[rows, j // group].astype(np.float64)) / p.sum()
+                # probabilities normalized in float32, then rounded to fp16: llama.cpp's graph
+                e = np.exp((s - s.max()).astype(np.float32))
+                p = fp16_round(e * np.float32(1.0 / e.astype(np.float64).sum()))
+                out[i, j] = p.astype(np.float64) @ v_cache[rows, j // group].astype(np.float64)
         return out.reshape(n, h * hd)

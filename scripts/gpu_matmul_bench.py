@@ -4,9 +4,11 @@ products of a few transformer layers (more weight bytes than the L2 holds), in G
 streamed: whichever kernel the backend picks for each count of tokens.
 
     python scripts/gpu_matmul_bench.py --shape llama2-7b --types Q4_0 Q4_K --tokens 1 2 4 8 16
-    FASTRUN_MATVEC_BATCH=16 python scripts/gpu_matmul_bench.py ...  # the dp4a matvec throughout
+    FASTRUN_SMALL_BATCH=0 python scripts/gpu_matmul_bench.py ...  # without matvec_tile
+    FASTRUN_SMALL_BATCH=0 FASTRUN_MATVEC_BATCH=16 python ...  # the one-token matvec throughout
 
-Picks MATVEC_BATCH, MMA_SM_WARPS and MMA_WARPS in backends/cuda/backend.py.
+Picks SMALL_BATCH, SMALL_TILES, MATVEC_BATCH, MMA_SM_WARPS and MMA_WARPS in
+backends/cuda/backend.py; scripts/gpu_kernel_check.py compares the old and new directly.
 """
 
 from __future__ import annotations
@@ -63,11 +65,11 @@ def main() -> None:
                 for w in weights:
                     backend._product(xs[w.n_in], acts[w.n_in], w, outs[w.n_out])
 
-            line.append(f"n={n}: {total / _time(run) / 1e9:5.0f}")
+            line.append(f"n={n}: {total / event_time(run) / 1e9:5.0f}")
         print("  GB/s  " + "  ".join(line))
 
 
-def _time(run, repeat: int = 5) -> float:
+def event_time(run, repeat: int = 5) -> float:
     """Median seconds of run() over repeat timed calls, after a warm-up."""
     import cupy as cp
 

@@ -113,11 +113,34 @@ def test_graph_replay_matches_eager(tmp_path):
         np.testing.assert_allclose(out[0], out[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_few_token_products_equal_each_token_alone(qtype):
+    """Products of 2..16 tokens (matvec_tile) give each token, bit for bit, what the
+    one-token matvec gives it alone: speculation's checking passes and small batches compute
+    the numbers plain decoding does."""
+    from helpers import random_blocks
+
+    from fastrun.backends import get_backend
+
+    backend = get_backend("cuda")
+    rng = np.random.default_rng(3)
+    raw = random_blocks(qtype, 200, 3328, rng)  # rows: no multiple of a block's
+    w = backend.load_weight(raw, qtype, 200, 3328)
+    for n in (2, 3, 5, 8, 9, 16):
+        x = rng.standard_normal((n, 3328)).astype(np.float32)
+        together = backend.to_host(
+            backend.matmul(backend.load_vector(x.reshape(-1)).reshape(n, -1), w)
+        )
+        for i in range(n):
+            alone = backend.to_host(backend.matmul(backend.load_vector(x[i]).reshape(1, -1), w))
+            np.testing.assert_array_equal(together[i], alone[0], err_msg=f"n={n}, token {i}")
+
+
 def test_engine_sequences_equal_their_solo_runs(tmp_path):
     """Greedy tokens of sequences joining and leaving the CUDA engine's batches (graphs of
     several step sizes, prefill chunks beside decode steps) equal each one's solo run up to
     a near tie: unlike the CPU's, CUDA's logits are not bit-identical across batch sizes (the
-    dp4a matvec up to 4 tokens, the tensor-core kernel above, attention split by batch)."""
+    dp4a matvecs up to 16 tokens, the tensor-core kernel above, attention split by batch)."""
     from fastrun.runner.api import Model
 
     path = write_tiny_model(tmp_path / "m.gguf", "llama", "Q4_0", 512, 1024, 4, 8, 4, 2000)

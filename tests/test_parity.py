@@ -109,6 +109,13 @@ def test_silu_mul_add_bias(backend):
     np.testing.assert_allclose(got, g + u + b, rtol=1e-6)
 
 
+def assert_attention_close(got, expect, v):
+    """Attention outputs equal up to the fp16 rounding of the softmax's probabilities (the
+    reference and the CPU round them as llama.cpp does, CUDA does not): one probability that
+    rounds the other way moves an output by at most 2^-11 of the largest |v|."""
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=2.0**-11 * float(np.abs(v).max()))
+
+
 @pytest.mark.parametrize("n, group", [(1, 3), (9, 3), (9, 1), (40, 7)])
 def test_kv_write_and_attention(backend, n, group):
     rng = np.random.default_rng(9 + n)
@@ -129,7 +136,7 @@ def test_kv_write_and_attention(backend, n, group):
     pos = np.arange(start, start + n, dtype=np.int32)
     expect = ref.attention(q, k_ref, v_ref, pos, hd**-0.5)
     got = host(backend, backend.attention(dev(backend, q), k_dev, v_dev, pos, hd**-0.5))
-    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
+    assert_attention_close(got, expect, v_ref)
 
 
 def test_portable_kernels_without_avx2(tmp_path):
@@ -326,7 +333,7 @@ def test_attention_over_sequences_of_one_cache(backend):
     pos, starts = np.array([7, 299, 0], np.int32), np.array([0, 300, 600], np.int32)
     expect = ref.attention(q, k_ref, v_ref, pos, 0.125, starts)
     got = backend.attention(dev(backend, q), k_dev, v_dev, pos, 0.125, starts)
-    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
+    assert_attention_close(host(backend, got), expect, v_ref)
 
 
 @pytest.mark.parametrize("hd", [64, 128, 256])
@@ -342,7 +349,7 @@ def test_attention_of_a_prefill_sized_batch(backend, hd):
     scale = hd**-0.5
     expect = ref.attention(q, k_ref, v_ref, pos, scale, starts)
     got = backend.attention(dev(backend, q), k_dev, v_dev, pos, scale, starts)
-    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
+    assert_attention_close(host(backend, got), expect, v_ref)
 
 
 def _filled_cache(backend, rng, layers, rows, hk, hd):
@@ -457,7 +464,7 @@ def test_attention_window_and_softcap(backend, window, softcap, n):
     args = (pos, 0.5, starts, window, softcap)
     expect = ref.attention(q, k_ref, v_ref, *args)
     got = backend.attention(dev(backend, q), k_dev, v_dev, *args)
-    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
+    assert_attention_close(host(backend, got), expect, v_ref)
 
 
 def _ring_of(full, lengths, offsets, full_rows: int, ring: int, backend=None):
@@ -507,7 +514,7 @@ def test_attention_through_a_ring(backend, n, window, hd):
     got = backend.attention(
         dev(backend, q), k_dev, v_dev, pos, scale, (seq * ring).astype(np.int32), *ring_args
     )
-    np.testing.assert_allclose(host(backend, got), expect, rtol=1e-4, atol=1e-5)
+    assert_attention_close(host(backend, got), expect, full[1])
 
 
 def test_kv_move(backend):

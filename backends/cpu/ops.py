@@ -14,13 +14,18 @@ _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 
 @nb.njit(parallel=True, **_JIT)
 def rms_norm(x, weight, eps, out):
-    """out [n, d] = x / sqrt(mean(x^2) + eps) * weight; the sum of squares in float64."""
+    """out [n, d] = x / sqrt(mean(x^2) + eps) * weight, rounded where llama.cpp's ggml rounds:
+    each square in float32, summed in float64; the mean, mean + eps and the scale in float32.
+    (A float64 scale differs from it by an ulp for about half the rows; Gemma 3's logits move
+    by up to ~0.1 nats from that alone.)"""
     n, d = x.shape
+    eps32 = np.float32(eps)
     for t in nb.prange(n):
         ss = 0.0
         for i in range(d):
-            ss += np.float64(x[t, i]) * np.float64(x[t, i])
-        scale = np.float32(1.0 / math.sqrt(ss / d + eps))
+            ss += np.float64(x[t, i] * x[t, i])
+        mean = np.float32(ss / d)
+        scale = np.float32(1) / np.float32(math.sqrt(mean + eps32))
         for i in range(d):
             out[t, i] = (x[t, i] * scale) * weight[i]
 
@@ -97,25 +102,39 @@ def gelu_mul(gate, up, out):
             elif g >= np.float32(10):
                 gelu = g
             else:
+                # as reference.gelu_tanh: llama.cpp's table entry, bit for bit
                 x = f16_round(g)
-                # the sums with 1 widen to float64 (Numba's int + float32); measured against
-                # llama.cpp's Gemma 3 logits, this form agrees best of the float32/float64
-                # variants tried (they differ only where a value rounds to the next fp16)
-                inner = np.float32(0.7978845608028654) * x * (1 + np.float32(0.044715) * x * x)
-                gelu = f16_round(np.float32(0.5) * x * (1 + np.tanh(inner)))
+                ax = np.float32(0.044715) * x
+                poly = np.float32(np.float64(ax) * np.float64(x) + 1.0)  # fma(a*x, x, 1)
+                inner = np.float32(0.7978845608028654) * x * poly
+                tanh = np.float32(np.tanh(np.float64(inner)))
+                gelu = f16_round(np.float32(0.5) * x * (np.float32(1) + tanh))
             out[t, i] = gelu * up[t, i]
+
+
+@nb.njit(inline="always", **_JIT)
+def _next_row(s, start, ring):
+    """The cache row after row s: the next one, or on a ring (ring > 0 rows from start) its
+    first one after its last."""
+    s += 1
+    if ring > 0 and s == start + ring:
+        s = start
+    return s
 
 
 @nb.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ring, offsets, out):
-    """Causal attention over the cache, one (token, head) pair per task, online softmax.
+    """Causal attention over the cache, one (token, head) pair per task.
 
     q [n, h, hd], k_cache/v_cache [c, hk, hd], positions and starts (each query's first cache
     row) int32 [n], out [n, h, hd]; window > 0: only the last `window` positions; softcap >
     0: scores -> softcap * tanh(score / softcap); ring > 0: position p of query t's sequence
     is row starts[t] + (p + offsets[t]) % ring (a sliding-window layer's ring), else
-    starts[t] + p. Positions are visited in order either way (the same sums). Memory is
-    O(hd) per task: no n x n score matrix, whatever the prompt length.
+    starts[t] + p, positions visited in order either way (the same sums). A two-pass
+    softmax rounded as llama.cpp's graph rounds it: exponentials summed in float64, the
+    probabilities normalized in float32 and rounded to fp16 (it multiplies them by the fp16
+    V cache), never renormalized. Memory
+    is one score per key per task: no n x n matrix, whatever the prompt length.
     """
     n, h, hd = q.shape
     group = h // k_cache.shape[1]
@@ -126,27 +145,30 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ri
         qf = np.empty(hd, np.float32)
         for i in range(hd):
             qf[i] = f16_round(q[t, j, i])  # llama.cpp multiplies fp16 K by fp16 Q
-        acc = np.zeros(hd, np.float32)
-        m = -np.inf
-        total = np.float32(0)
         lo = max(0, positions[t] - window + 1) if window > 0 else 0
-        s = starts[t] + (lo if ring <= 0 else (lo + offsets[t]) % ring)
-        for _ in range(lo, positions[t] + 1):
+        first = starts[t] + (lo if ring <= 0 else (lo + offsets[t]) % ring)  # row of lo
+        scores = np.empty(positions[t] - lo + 1, np.float32)
+        m = -np.inf
+        s = first
+        for at in range(scores.size):
             score = _dot_row(qf, k_cache, s, kv) * scale
             if softcap > 0:
                 score = softcap * np.float32(math.tanh(score / softcap))
-            if score > m:
-                rescale = np.float32(np.exp(m - score))
-                total *= rescale
-                for i in range(hd):
-                    acc[i] *= rescale
-                m = score
-            p = np.float32(np.exp(score - m))
-            total += p
+            scores[at] = score
+            m = max(m, score)
+            s = _next_row(s, starts[t], ring)
+        total = 0.0
+        for i in range(scores.size):
+            e = np.float32(np.exp(scores[i] - m))
+            scores[i] = e
+            total += np.float64(e)
+        inv = np.float32(1.0 / total)
+        acc = np.zeros(hd, np.float32)
+        s = first
+        for at in range(scores.size):
+            p = f16_round(scores[at] * inv)
             for i in range(hd):
                 acc[i] += p * v_cache[s, kv, i]
-            s += 1
-            if ring > 0 and s == starts[t] + ring:  # the ring's end: on from its first row
-                s = starts[t]
+            s = _next_row(s, starts[t], ring)
         for i in range(hd):
-            out[t, j, i] = acc[i] / total
+            out[t, j, i] = acc[i]

@@ -34,6 +34,30 @@ MATVEC_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC", "1,4").sp
 MATVEC_ROWS = 8 * MATVEC_TUNING[0]  # weight rows per matvec block: 8 warps (matmul.cu)
 # up to this many tokens: the dp4a matvec; from one more, the int8 tensor-core kernel
 MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
+# Products of 2..SMALL_BATCH tokens (checking passes of speculation, small batches) take
+# matvec_tile (matmul.cu): each weight read once for all of them, the results bit-identical
+# per token to the one-token matvec's. 0 turns it off: then the dp4a matvec up to
+# MATVEC_BATCH tokens, the tensor-core kernel above, as before.
+SMALL_BATCH = int(os.environ.get("FASTRUN_SMALL_BATCH", "16"))
+# its shapes, "tokens a block:rows a warp:groups in flight a lane[:warps a block]" for each
+# bucket of tokens (a product of n tokens takes the first that holds n, or blocks of the
+# last), the warps a block where a shape names none, and the most bytes of a block's
+# activations staged in shared memory (more: read through L1)
+SMALL_TILES = tuple(
+    tuple(int(v) for v in tile.split(":"))
+    for tile in os.environ.get("FASTRUN_SMALL_TILES", "2:2:2,4:2:2,8:4:1,16:4:1").split(",")
+)
+SMALL_WARPS = int(os.environ.get("FASTRUN_SMALL_WARPS", "4"))
+SMALL_STAGE = int(os.environ.get("FASTRUN_SMALL_STAGE", str(100 * 1024)))
+# From FEW_MMA_FROM tokens up to SMALL_BATCH (0: never), matmul_few instead: tensor cores,
+# the weights loaded straight into registers (near matvec_q's results, not bit-identical),
+# blocks of FEW_MMA_WARPS warps, FEW_MMA_UNROLL groups a lane in flight
+FEW_MMA_FROM = int(os.environ.get("FASTRUN_FEW_MMA_FROM", "0"))
+FEW_MMA_WARPS = int(os.environ.get("FASTRUN_FEW_MMA_WARPS", "8"))
+FEW_MMA_UNROLL = 4
+# one token through matvec_tile as well, "rows a warp:groups in flight:warps a block" (empty:
+# matvec_q, tuned by FASTRUN_MATVEC)
+ONE_TILE = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC1_TILE", "").split(":") if v)
 # from this many tokens on: weights to fp16, then cuBLAS (fp16 activations)
 DENSE_ROWS = int(os.environ.get("FASTRUN_DENSE_ROWS", "128"))
 # The tensor-core kernel (matmul.cu): MMA_SM_WARPS, the warps an SM must hold (caps its
@@ -58,7 +82,17 @@ HOST_VECTORS = 16  # host int vectors kept on the device by content (_ints)
 # attention splits: enough for about this many blocks (one query; a batch of queries), each
 # split at least a round of loads (7B shape, 16 sequences: 256 blocks 4.96 ms a step, 4096 6.05)
 ATTN_BLOCKS = (512, int(os.environ.get("FASTRUN_ATTN_BLOCKS", "256")))
+# a pass of 2..ATTN_FEW[0] queries (speculation's checking pass: mostly one sequence's, whose
+# cache rows stay in L2) splits for about ATTN_FEW[1] blocks: with 256, the 9 queries of a 7B
+# checking pass got one split each, every block walking the whole cache alone
+ATTN_FEW = tuple(
+    int(os.environ.get(name, default))
+    for name, default in (("FASTRUN_ATTN_FEW_TOKENS", "9"), ("FASTRUN_ATTN_FEW_BLOCKS", "2048"))
+)
 GRAPH_MAX_TOKENS = 64  # the largest decode step captured as a graph (step_size)
+# steps of up to this many tokens are captured at their own size, not padded to a power of
+# two: a checking pass of 9 tokens computes 9, not 16 (0: powers of two throughout)
+GRAPH_EXACT = int(os.environ.get("FASTRUN_GRAPH_EXACT", "16"))
 SELECT_CHUNK, SELECT_MAX = 4096, 64  # logits per top_k block; the largest k (select.cu)
 _i32 = np.int32
 # cuBLAS's enums for gemmEx (library_types.h, cublas_api.h)
@@ -94,6 +128,8 @@ class _Kernels:
             names += [f"matvec_q<{f}, {t}>" for t in MATVEC_TOKENS]
             names += [f"matmul_mma<{f}, {w}>" for w in MMA_WARPS]
             names += [f"embed_q<{f}>", f"dequant_f16<{f}>"]
+            names += [f"matvec_tile<{f}, {r}, {t}, {u}>" for t, r, u in small_tiles()]
+            names += [f"matmul_few<{f}, {nf}, {FEW_MMA_UNROLL}>" for nf in (1, 2)]
         for t in ("__half", "float"):
             names += [f"matvec_f<{t}, {n}>" for n in MATVEC_TOKENS] + [f"embed_f<{t}>"]
         self.matmul = cp.RawModule(
@@ -114,7 +150,7 @@ class _Kernels:
             else:
                 module = self.select if name == "top_k" else self.ops
             function = module.get_function(name)
-            if name.startswith(("matmul_mma", "attn_tiles")):  # past the 48 KB default
+            if name.startswith(("matmul_mma", "attn_tiles", "matvec_tile")):  # past 48 KB
                 function.max_dynamic_shared_size_bytes = self._shared_optin
             kernel = self._cache[name] = partial(self.launch, function)
         return kernel
@@ -122,8 +158,51 @@ class _Kernels:
 
 def _tensor_cores(n: int, n_in: int) -> bool:
     """Whether products of n tokens with rows of n_in weights take the tensor-core kernel,
-    whose activations are tiled (quantize.cuh); else the matvec or cuBLAS."""
+    whose activations are tiled (quantize.cuh); else a matvec or cuBLAS."""
+    if _takes_tile(n):
+        return False
+    if _few_mma(n):
+        return True
     return MATVEC_BATCH < n < DENSE_ROWS and n_in % (32 * MMA_ROW_GROUPS) == 0
+
+
+def _few_mma(n: int) -> bool:
+    """Whether a quantized product of n tokens takes matmul_few."""
+    return 0 < FEW_MMA_FROM <= n <= SMALL_BATCH and n > 1
+
+
+def _takes_tile(n: int) -> bool:
+    """Whether a quantized product of n tokens takes matvec_tile."""
+    return (1 < n <= SMALL_BATCH and not _few_mma(n)) or (n == 1 and bool(ONE_TILE))
+
+
+def few_mma_launch(w: CUDAWeight, n: int, warps: int, unroll: int):
+    """(kernel name, grid, block) of matmul_few for n tokens (tiles of 16) with w, in blocks
+    of `warps` warps (at most 8: its shared memory holds 8 warps' partial sums)."""
+    fragments = 1 if n <= 8 else 2  # of 8 tokens
+    name = f"matmul_few<{w.kernel_format}, {fragments}, {unroll}>"
+    return name, (-(-w.n_out // 16), -(-n // 16)), (32 * min(warps, 8),)
+
+
+def small_tiles() -> list[tuple[int, int, int]]:
+    """(tokens a block, rows a warp, groups in flight) of every matvec_tile the backend may
+    launch: SMALL_TILES, and ONE_TILE's for one token."""
+    tiles = [tile[:3] for tile in SMALL_TILES]
+    if ONE_TILE:
+        tiles.append((1, ONE_TILE[0], ONE_TILE[1]))
+    return tiles
+
+
+def tile_launch(w: CUDAWeight, n: int, tile: tuple[int, int, int], warps: int, stage_max: int):
+    """(kernel name, grid, block, shared bytes, stage) of matvec_tile for n tokens with w in
+    blocks of `tile` (tokens, rows a warp, groups in flight) and `warps` warps; the block's
+    activations staged in shared memory where they take at most stage_max bytes."""
+    tokens, rows, unroll = tile
+    grid = (-(-w.n_out // (warps * rows)), -(-n // tokens))
+    shared = min(tokens, n) * (w.n_in + 8 * (w.n_in // 32))  # int8 values, d and s a group
+    stage = shared <= stage_max
+    name = f"matvec_tile<{w.kernel_format}, {rows}, {tokens}, {unroll}>"
+    return name, grid, (32 * warps,), shared if stage else 0, stage
 
 
 def _mma_ring(w: CUDAWeight, warps: int) -> tuple[int, int]:
@@ -285,6 +364,19 @@ class CUDABackend(Backend):
             kernel(grid, (256,), (w.planes[0], x, y, *args))
             return
         inputs = (*w.plane_args(), *act, y, *args)
+        if _few_mma(n):
+            name, grid, block = few_mma_launch(w, n, FEW_MMA_WARPS, FEW_MMA_UNROLL)
+            self.k(name)(grid, block, inputs)
+            return
+        if _takes_tile(n):
+            if n == 1:
+                tile, warps = (1, *ONE_TILE[:2]), ONE_TILE[2]
+            else:
+                shape = next((t for t in SMALL_TILES if t[0] >= n), SMALL_TILES[-1])
+                tile, warps = shape[:3], shape[3] if len(shape) > 3 else SMALL_WARPS
+            name, grid, block, shared, stage = tile_launch(w, n, tile, warps, SMALL_STAGE)
+            self.k(name)(grid, block, (*inputs, _i32(stage)), shared)
+            return
         if not _tensor_cores(n, w.n_in):
             t = next((t for t in MATVEC_TOKENS if t >= n), MATVEC_TOKENS[-1])
             grid = ((w.n_out + MATVEC_ROWS - 1) // MATVEC_ROWS, (n + t - 1) // t)
@@ -515,7 +607,8 @@ class CUDABackend(Backend):
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
         # positions (in whole rounds of loads, ops.cu) and the combine merges them
         splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
-        splits = max(1, min(splits, ATTN_BLOCKS[n > 1] // (n * h), ATTN_MAX_SPLITS))
+        budget = ATTN_FEW[1] if 1 < n <= ATTN_FEW[0] else ATTN_BLOCKS[n > 1]
+        splits = max(1, min(splits, budget // (n * h), ATTN_MAX_SPLITS))
         pos = self._ints(positions)
         starts = cp.zeros(n, cp.int32) if starts is None else self._ints(starts)
         part_o = cp.empty((n, h, splits, hd), cp.float32)
@@ -599,9 +692,10 @@ class CUDABackend(Backend):
     # -- CUDA graphs ------------------------------------------------------------------------
 
     def step_size(self, n: int) -> int:
-        """Decode steps run as graphs captured per power-of-two bucket of tokens (1, 2, 4, ...
-        up to GRAPH_MAX_TOKENS), so sequences joining and leaving reuse the captured ones."""
-        if n > GRAPH_MAX_TOKENS:
+        """Decode steps run as graphs captured per size up to GRAPH_EXACT tokens, then per
+        power-of-two bucket up to GRAPH_MAX_TOKENS, so sequences joining and leaving reuse the
+        captured ones."""
+        if n > GRAPH_MAX_TOKENS or n <= GRAPH_EXACT:
             return n
         return 1 << max(0, (n - 1).bit_length())
 

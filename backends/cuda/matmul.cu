@@ -1,8 +1,10 @@
 // Quantized matrix products: y [n, N] = x [n, K] @ W.T, W [N, K] in repacked planes.
 //
 // The activation is first quantized to 8 bits as llama.cpp's CPU path pairs it with the
-// weight format (quantize_rows), then multiplied in integers: dp4a for a few tokens
-// (matvec_q, decode), int8 tensor-core mma for many (matmul_mma, prefill and batches).
+// weight format (quantize_rows), then multiplied in integers: dp4a for one token (matvec_q,
+// decode) and for 2..16 (matvec_tile: each weight read once for all of them, the same sums
+// per token), int8 tensor-core mma for more (matmul_mma; matmul_few, an alternative for a
+// few tokens the backend takes where told to).
 #include "formats.cuh"
 #include "launch.cuh"
 #include "quantize.cuh"
@@ -35,15 +37,15 @@ __device__ __forceinline__ float transformed(const float* xr, int e, int K, bool
                                              double* s_sum) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float v = e < K ? xr[e] : 0.f;
-    if (norm) {  // the sum of squares in double, scale rounded once: as the CPU backend
+    if (norm) {  // float squares summed in double, mean and scale in float: as ggml
         double ss = 0.0;
-        for (int i = tid; i < K; i += 256) ss += (double)xr[i] * (double)xr[i];
+        for (int i = tid; i < K; i += 256) ss += (double)(xr[i] * xr[i]);
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (lane == 0) s_sum[warp] = ss;
         __syncthreads();
         double total = 0.0;
         for (int w = 0; w < 8; ++w) total += s_sum[w];
-        if (e < K) v = (v * (float)(1.0 / sqrt(total / K + eps))) * weight;
+        if (e < K) v = (v * (1.0f / sqrtf((float)(total / K) + (float)eps))) * weight;
     }
     if (up_row && e < K) v = silu(v) * up_row[e];
     return v;
@@ -141,6 +143,34 @@ extern "C" __global__ void __launch_bounds__(256)
 #define MV_UNROLL1 MV_UNROLL  // the same for one token (decode), which has registers to spare
 #endif
 
+// A group's quads from its plane-0 words (a: words 0..3, b: 4..7 for Q8_0) and extra bits.
+template <class F>
+__device__ __forceinline__ void decode_group(uint4 a, uint4 b, u32 e0, u32 e1, int (&lo)[4],
+                                             int (&hi)[4]) {
+    F::decode(a.x, b.x, e0, e1, 0, lo[0], hi[0]);
+    F::decode(a.y, b.y, e0, e1, 1, lo[1], hi[1]);
+    F::decode(a.z, b.z, e0, e1, 2, lo[2], hi[2]);
+    F::decode(a.w, b.w, e0, e1, 3, lo[3], hi[3]);
+}
+
+// The group's dot product with an activation group (x0: its values 0..15, x1: 16..31) times
+// the weight scales, before the activation's scale and the min term: formats.cuh's
+// s_lo * dot(lo, xq_lo) + s_hi * dot(hi, xq_hi).
+template <class F>
+__device__ __forceinline__ float group_dot(const int (&lo)[4], const int (&hi)[4], int4 x0,
+                                           int4 x1, const GroupScale& sc) {
+    int dl = __dp4a(lo[0], x0.x, SUM_BIAS);
+    int dh = __dp4a(hi[0], x1.x, F::split ? SUM_BIAS : 0);
+    dl = __dp4a(lo[1], x0.y, dl);
+    dh = __dp4a(hi[1], x1.y, dh);
+    dl = __dp4a(lo[2], x0.z, dl);
+    dh = __dp4a(hi[2], x1.z, dh);
+    dl = __dp4a(lo[3], x0.w, dl);
+    dh = __dp4a(hi[3], x1.w, dh);
+    return F::split ? sc.s_lo * biased_sum(dl) + sc.s_hi * biased_sum(dh)
+                    : sc.s_lo * biased_sum(dl + dh);
+}
+
 template <class F, int NT>
 __global__ void __launch_bounds__(MV_WARPS * 32)
     matvec_q(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
@@ -197,26 +227,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
                 const float d = xd[xg], sum = F::has_min ? xs[xg] : 0.f;
 #pragma unroll
                 for (int r = 0; r < MV_ROWS; ++r) {
-                    const uint4 a = wa[r][u], b = wb[r][u];
-                    int lo, hi, dl, dh;
-                    F::decode(a.x, b.x, e0[r][u], e1[r][u], 0, lo, hi);
-                    dl = __dp4a(lo, x0.x, SUM_BIAS);
-                    dh = __dp4a(hi, x1.x, F::split ? SUM_BIAS : 0);
-                    F::decode(a.y, b.y, e0[r][u], e1[r][u], 1, lo, hi);
-                    dl = __dp4a(lo, x0.y, dl);
-                    dh = __dp4a(hi, x1.y, dh);
-                    F::decode(a.z, b.z, e0[r][u], e1[r][u], 2, lo, hi);
-                    dl = __dp4a(lo, x0.z, dl);
-                    dh = __dp4a(hi, x1.z, dh);
-                    F::decode(a.w, b.w, e0[r][u], e1[r][u], 3, lo, hi);
-                    dl = __dp4a(lo, x0.w, dl);
-                    dh = __dp4a(hi, x1.w, dh);
-                    const GroupScale& sc = s[r][u];
-                    const float part = F::split
-                                           ? sc.s_lo * biased_sum(dl) + sc.s_hi * biased_sum(dh)
-                                           : sc.s_lo * biased_sum(dl + dh);
-                    acc[r][j] += d * part;
-                    if (F::has_min) acc[r][j] += sc.m * sum;
+                    int lo[4], hi[4];
+                    decode_group<F>(wa[r][u], wb[r][u], e0[r][u], e1[r][u], lo, hi);
+                    acc[r][j] += d * group_dot<F>(lo, hi, x0, x1, s[r][u]);
+                    if (F::has_min) acc[r][j] += s[r][u].m * sum;
                 }
             }
         }
@@ -233,6 +247,181 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
                 *out = accumulate ? *out + v : v;
             }
         }
+}
+
+// ---- a few tokens, each weight read once: R rows a warp, NT tokens a block ----------------
+// The products of 2..16 tokens (speculative checking passes, small batches) and, where the
+// backend picks it, of one. A lane holds R rows' groups g = lane, lane + 32, ... (U of them a
+// row in flight, one 16-byte load each) and applies each to every token of the block, so the
+// weights stream from memory once while each token's activation is loaded once per R rows.
+// The decoded quads of the R rows are kept across the tokens, and the next round's weights
+// are loaded while this round's are applied. Each token's sum runs in the
+// order matvec_q's does (per lane over the groups in turn, then the xor butterfly across the
+// lanes, which the reduce-scatter below reproduces), so the results are bit-identical to it.
+// stage: the block first copies its tokens' activations into dynamic shared memory
+// (nt * (K + 8 * K / 32) bytes; the backend passes stage = 0 where that is too much), the
+// halves of groups reordered for contiguous loads.
+// Blocks of any number of warps (blockDim.x = 32 * warps): a parameter of the launch.
+
+#ifndef MT_STREAM
+#define MT_STREAM 1  // weight loads past L1 (L1::no_allocate): L1 keeps the activations
+#endif
+
+__device__ __forceinline__ uint4 load_weights16(const uint4* p) {
+#if MT_STREAM
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
+// v[i] summed over the warp's lanes, V (a power of two) values a lane: each step keeps half
+// the values and adds the partner lane's copy of them (the sums of warp_sum's butterfly, bit
+// for bit), until a lane holds SCATTER_HELD(V) values; the rest of the steps are warp_sum's.
+// Returns the index of the first value the lane then holds in v[0 .. held - 1] (consecutive);
+// SCATTER_SPREAD(V) neighbouring lanes hold the same ones.
+#define SCATTER_HELD(V) ((V) >= 32 ? (V) / 32 : 1)
+#define SCATTER_SPREAD(V) ((V) >= 32 ? 1 : 32 / (V))
+template <int V>
+__device__ __forceinline__ int warp_sum_scatter(float (&v)[V], int lane) {
+    int held = V, first = 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        if (held > 1) {
+            const bool upper = lane & o;
+#pragma unroll
+            for (int i = 0; i < V / 2; ++i) {
+                if (i < held / 2) {
+                    const float keep = upper ? v[i + held / 2] : v[i];
+                    const float send = upper ? v[i] : v[i + held / 2];
+                    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                }
+            }
+            held /= 2;
+            if (upper) first += held;
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+        }
+    }
+    return first;
+}
+
+template <class F, int R, int NT, int U>
+__global__ void __launch_bounds__(256)
+    matvec_tile(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
+                int accumulate, int stage) {
+    static_assert((R & (R - 1)) == 0 && (NT & (NT - 1)) == 0, "R and NT: powers of two");
+    pdl_trigger();
+    const Planes P = PLANES;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int G = K >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.x * warps + (threadIdx.x >> 5)) * R;
+    const int tok0 = blockIdx.y * NT, nt = min(NT, n_tok - tok0);
+
+    uint4 wa[R][U], wb[R][U];
+    u32 e0[R][U], e1[R][U];
+    GroupScale s[R][U];
+    auto load = [&](int g0) {  // the R rows' groups g0, g0 + 32, ... (rows past N: the last)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = min(row0 + r, N - 1);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int g = g0 + 32 * u;
+                if (g < G) {
+                    const long long rg = (long long)row * G + g;
+                    const uint4* wq = reinterpret_cast<const uint4*>(P.p[0]) + rg * (F::qbytes / 16);
+                    wa[r][u] = load_weights16(wq);
+                    wb[r][u] = F::qbytes == 32 ? load_weights16(wq + 1) : make_uint4(0, 0, 0, 0);
+                    e0[r][u] = e1[r][u] = 0;
+                    F::extra(P, rg, e0[r][u], e1[r][u]);
+                    s[r][u] = F::scale(P, rg, (long long)row * (G >> 3) + (g >> 3));
+                }
+            }
+        }
+    };
+    load(lane);  // the first weights are on their way before the wait on the activation
+    pdl_wait();
+
+    // the block's tokens' activations: [nt][G] 16-byte halves of groups as quantize_rows
+    // wrote them (group g's at 2g and 2g + 1), or staged in shared memory with the first
+    // halves of all groups before the second ones (at g and G + g), so that a warp's load of
+    // 32 groups' halves is 512 contiguous bytes
+    const int4* aq = reinterpret_cast<const int4*>(xq + (long long)tok0 * K);
+    const float* ad = xd + (long long)tok0 * G;
+    const float* as = xs + (long long)tok0 * G;
+    int group_step = 2, half_step = 1;
+    if (stage) {
+        int4* sq = reinterpret_cast<int4*>(smem);
+        float* sd = reinterpret_cast<float*>(smem + (long long)nt * K);
+        float* ss = sd + nt * G;
+        for (int i = threadIdx.x; i < nt * 2 * G; i += blockDim.x) {
+            const int j = i / (2 * G), v = i - j * 2 * G;
+            sq[j * 2 * G + (v & 1) * G + (v >> 1)] = aq[i];
+        }
+        for (int i = threadIdx.x; i < nt * G; i += blockDim.x) {
+            sd[i] = ad[i];
+            if (F::has_min) ss[i] = as[i];
+        }
+        __syncthreads();
+        aq = sq;
+        ad = sd;
+        as = ss;
+        group_step = 1;
+        half_step = G;
+    }
+
+    float acc[R * NT];
+#pragma unroll
+    for (int i = 0; i < R * NT; ++i) acc[i] = 0.f;
+    for (int g0 = lane; g0 < G; g0 += 32 * U) {
+        // this round's groups decoded, then the next round's weights loaded into the same
+        // registers: they are on their way while the tokens are multiplied
+        int lo[R][U][4], hi[R][U][4];
+        GroupScale sc[R][U];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                decode_group<F>(wa[r][u], wb[r][u], e0[r][u], e1[r][u], lo[r][u], hi[r][u]);
+                sc[r][u] = s[r][u];
+            }
+        if (g0 + 32 * U < G) load(g0 + 32 * U);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + 32 * u;
+            if (g >= G) break;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                if (j >= nt) break;
+                const int xg = j * G + g;
+                const int4* xv = aq + 2 * j * G + g * group_step;
+                const int4 x0 = xv[0], x1 = xv[half_step];
+                const float d = ad[xg], sum = F::has_min ? as[xg] : 0.f;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {  // as matvec_q, term for term
+                    float& a = acc[r * NT + j];
+                    a += d * group_dot<F>(lo[r][u], hi[r][u], x0, x1, sc[r][u]);
+                    if (F::has_min) a += sc[r][u].m * sum;
+                }
+            }
+        }
+    }
+    const int first = warp_sum_scatter<R * NT>(acc, lane);
+    if (lane % SCATTER_SPREAD(R * NT) != 0) return;
+#pragma unroll
+    for (int k = 0; k < SCATTER_HELD(R * NT); ++k) {
+        const int row = row0 + (first + k) / NT, tok = tok0 + (first + k) % NT;
+        if (row < N && tok < n_tok) {
+            float* out = y + (long long)tok * N + row;
+            *out = accumulate ? *out + acc[k] : acc[k];
+        }
+    }
 }
 
 // ---- many tokens: int8 tensor cores (mma.sync m16n8k32 / m16n8k16) ----------------------
@@ -507,6 +696,119 @@ __global__ void __launch_bounds__(W * 32, MMA_SM_WARPS / W)
             }
         mma_store(acc, y, row_base, tok_base, N, n_tok, accumulate);
     }
+}
+
+// ---- a few tokens on tensor cores, the weights straight into registers --------------------
+// A block computes 16 weight rows x up to 8 * NF tokens (one tile of the tiled activation,
+// quantize.cuh); its warps (blockDim.x / 32, at most 8) split the rows' groups into
+// contiguous ranges. Each lane loads its own A-fragment words (load_quad: word t of rows gq
+// and gq + 8), the next U groups' loads issued while these U are multiplied, and reads the
+// activation's B fragments through L1 (a fragment: 256 contiguous bytes). The warps' partial
+// sums meet in shared memory. Results are near, not bit-identical to, matvec_q's (another
+// order of summation); an alternative to matvec_tile that the backend takes where told to.
+
+template <class F, int NF, int U>
+__global__ void __launch_bounds__(256)
+    matmul_few(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
+               const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
+               int accumulate) {
+    pdl_trigger();
+    const Planes P = PLANES;
+    __shared__ float partial[8][NF * 4][32];
+    const int G = K >> 5, warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+    const int row_base = blockIdx.x * 16, tile = blockIdx.y;
+    const int per = (G + warps - 1) / warps, ga = min(G, warp * per), gb = min(G, ga + per);
+    const int rows[2] = {min(row_base + gq, N - 1), min(row_base + gq + 8, N - 1)};
+
+    int lo[U][2], hi[U][2];
+    GroupScale sc[U][2];
+    auto load = [&](int g0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + u;
+            if (g < gb) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const long long rg = (long long)rows[h] * G + g;
+                    load_quad<F>(P, rg, t, lo[u][h], hi[u][h]);
+                    sc[u][h] = F::scale(P, rg, (long long)rows[h] * (G >> 3) + (g >> 3));
+                }
+            }
+        }
+    };
+    load(ga);
+    pdl_wait();
+    const long long x0 = (long long)tile * G * 16;  // the tile's group 0, token 0
+    const signed char* xb = xq + (x0 + gq) * 32 + 8 * t;  // B column gq: words t and 4 + t
+    const float* xdt = xd + x0 + 2 * t;  // the scales of tokens 2t and 2t + 1
+    const float* xst = xs + x0 + 2 * t;
+    float acc[NF][4];
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[f][e] = 0.f;
+    for (int g0 = ga; g0 < gb; g0 += U) {
+        int clo[U][2], chi[U][2];
+        GroupScale cs[U][2];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                clo[u][h] = lo[u][h];
+                chi[u][h] = hi[u][h];
+                cs[u][h] = sc[u][h];
+            }
+        if (g0 + U < gb) load(g0 + U);  // on their way while these are multiplied
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + u;
+            if (g >= gb) break;
+#pragma unroll
+            for (int f = 0; f < NF; ++f) {
+                const int at = g * 16 + f * 8;  // the fragment's first token's group
+                const int2 b = *reinterpret_cast<const int2*>(xb + (long long)at * 32);
+                const float2 d = *reinterpret_cast<const float2*>(xdt + at);
+                const float2 m = F::has_min ? *reinterpret_cast<const float2*>(xst + at)
+                                            : make_float2(0.f, 0.f);
+                int c_lo[4], c_hi[4];
+                if (F::split) {
+                    mma_k16(c_lo, clo[u][0], clo[u][1], b.x, SUM_BIAS);
+                    mma_k16(c_hi, chi[u][0], chi[u][1], b.y, SUM_BIAS);
+                } else {
+                    mma_k32(c_lo, clo[u][0], clo[u][1], chi[u][0], chi[u][1], b.x, b.y, SUM_BIAS);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const GroupScale& gs = cs[u][e >> 1];
+                    const float p = F::split ? gs.s_lo * biased_sum(c_lo[e]) +
+                                                   gs.s_hi * biased_sum(c_hi[e])
+                                             : gs.s_lo * biased_sum(c_lo[e]);
+                    acc[f][e] += (e & 1 ? d.y : d.x) * p;
+                    if (F::has_min) acc[f][e] += gs.m * (e & 1 ? m.y : m.x);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) partial[warp][f * 4 + e][lane] = acc[f][e];
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float v = 0.f;
+            for (int w = 0; w < warps; ++w) v += partial[w][f * 4 + e][lane];
+            const int row = row_base + gq + 8 * (e >> 1);
+            const int tok = tile * 16 + 8 * f + 2 * t + (e & 1);
+            if (row < N && tok < n_tok) {
+                float* out = y + (long long)tok * N + row;
+                *out = accumulate ? *out + v : v;
+            }
+        }
 }
 
 // ---- float weights (F16 with fp16-rounded activations, F32) --------------------------------

@@ -32,14 +32,14 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     pdl_start();
     __shared__ double scratch[32];
     const float* xr = x + (long long)blockIdx.x * d;
-    double ss = 0.0;  // in double, the scale rounded once: as the CPU backend
-    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    double ss = 0.0;  // float squares summed in double, mean and scale in float: as ggml
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += (double)(xr[i] * xr[i]);
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
     __syncthreads();
     double total = 0.0;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
-    const float scale = (float)(1.0 / sqrt(total / d + eps));
+    const float scale = 1.0f / sqrtf((float)(total / d) + (float)eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x)
         y[(long long)blockIdx.x * d + i] = (xr[i] * scale) * w[i];
 }
