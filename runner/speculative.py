@@ -44,6 +44,8 @@ CONFIDENCE_CANDIDATES = 10  # draft tokens whose probabilities judge --draft-p-m
 VOCAB_SLACK = 128  # tokens a draft's vocabulary may have more or fewer than the target's
 WARM_UP_PASSES = 1  # passes of each size not measured (compilation, a CUDA graph's capture)
 COST_WEIGHT = 0.3  # of each new measurement of a pass's seconds in its running average
+LOAD_WEIGHT = 0.1  # of a measurement's surprise passed on to the other sizes (the load)
+SURPRISE_MAX = 2.0  # one measurement moves an estimate by this factor at most (outliers)
 ACCEPT_PRIOR = 0.5  # acceptance assumed before any draft was checked
 ACCEPT_DECAY = 0.92  # per checked drafted token: a window of about 12 tokens
 MIN_SPEEDUP = 1.03  # drafts must promise this much over plain decoding, or none are drafted
@@ -140,7 +142,10 @@ def check_draft(draft: Draft, target, sampler: Sampler) -> tuple[list[int], int]
 
 
 class PassCosts:
-    """Seconds of a pass by its number of tokens, as measured here (running averages)."""
+    """Seconds of a pass by its number of tokens, as measured here: running averages in
+    ratios, each measurement's surprise clipped (a stall of the machine is not a new cost)
+    and in part passed on to every size, as the machine's load slows passes of any size alike
+    and a size the plans avoid is not measured again."""
 
     def __init__(self, unknown: float | None = None):
         self.seconds: dict[int, float] = {}
@@ -152,7 +157,15 @@ class PassCosts:
         if self.seen[n] <= WARM_UP_PASSES:
             return
         old = self.seconds.get(n)
-        self.seconds[n] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+        if old is None or old <= 0.0 or seconds <= 0.0:
+            self.seconds[n] = seconds
+            return
+        surprise = min(max(seconds / old, 1.0 / SURPRISE_MAX), SURPRISE_MAX)
+        for m in self.seconds:
+            self.seconds[m] *= surprise ** (COST_WEIGHT if m == n else LOAD_WEIGHT)
+
+    def as_ms(self) -> dict[int, float]:
+        return {n: round(self.seconds[n] * 1e3, 2) for n in sorted(self.seconds)}
 
     def estimate(self, n: int) -> float | None:
         """The measured seconds of n tokens; for a size not measured, a line through the
@@ -689,4 +702,9 @@ class Speculator:
         self.drafter.shifted(request, keep, discard)
 
     def stats(self) -> dict:
-        return {"kind": self.kind, **self.totals.as_dict()}
+        """Totals of drafts, and the measured milliseconds of a pass by its tokens (the
+        target's and the draft model's) that the plans read."""
+        costs = {"target_pass_ms": self.target_costs.as_ms()}
+        if self.drafter.costs is not None:
+            costs["draft_pass_ms"] = self.drafter.costs.as_ms()
+        return {"kind": self.kind, **self.totals.as_dict(), **costs}

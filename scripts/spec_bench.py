@@ -4,17 +4,23 @@ code-edit prompts (add type hints to a function, rename a variable, fix a bug; 2
 each) and a story, greedy, with llama.cpp's `llama-speculative` and `llama-lookup` on the same
 prompts and models where their binaries are found; ratios in one run, medians of rounds.
 
-    python scripts/spec_bench.py                          # Qwen2.5-Coder 1.5B, 0.5B draft
-    python scripts/spec_bench.py --threads 2 --rounds 3 --llama-bin /path/to/build/bin \\
-        --json spec.json
-    python scripts/spec_bench.py --target smollm2-135m-instruct --draft none --backend cuda
+    python scripts/spec_bench.py            # Qwen2.5-Coder 1.5B, 0.5B draft, 160 tokens, 1 round
+    python scripts/spec_bench.py -n 96 --prompts rename,story --modes plain,lookup,draft
+    python scripts/spec_bench.py --rounds 2 --llama-bin /path/to/build/bin --json spec.json
+    python scripts/spec_bench.py --target smollm2-135m-instruct --draft none --backend cuda \\
+        --modes plain,lookup
     python scripts/spec_bench.py --verify-cost --backend cuda --shape llama2-7b   # Q4_0, random
-    python scripts/spec_bench.py --verify-cost --backend cpu --threads 2          # --target's file
+    python scripts/spec_bench.py --verify-cost --backend cpu --verify-sizes 1,2,4,8  # --target
 
-Each round runs every prompt in every mode back to back (fastrun's modes, then llama.cpp's),
-so a machine's drift hits them alike. The prompt is the chat template's rendering, tokenized
-by both tools with special tokens parsed. tok/s: generated tokens over the decode's seconds
-(after the prompt's first token; a draft model's own prompt pass is inside them).
+The target is loaded once (with the draft beside it where a mode needs it) and switches
+between plain decoding, lookup and the draft (`Model.speculate`), after a short warm-up run
+of each mode. Each round runs every prompt in every mode back to back (fastrun's modes, then
+llama.cpp's), so a machine's drift hits them alike; each run's row is printed as it ends.
+The prompt is the chat template's rendering, tokenized by both tools with special tokens
+parsed; both get the same token budget (-n), context (-c), threads (-t), greedy sampling
+(--temp 0) and most drafted tokens (--spec-draft-n-max). tok/s: generated tokens over the
+decode's seconds, after the prompt's first token; the draft model reads the prompt during
+the prefill in both tools (llama.cpp's "encoded" time), so it is outside them.
 """
 
 from __future__ import annotations
@@ -130,7 +136,10 @@ def load(args, with_draft: bool):
 def run_fastrun(model, mode: str, text: str, n: int) -> dict:
     model.speculate(SPECULATION[mode])
     done = model.complete(text, max_tokens=n, temperature=0)
+    costs = model.stats().get("speculative", {})
     return {
+        "target_pass_ms": costs.get("target_pass_ms"),
+        "draft_pass_ms": costs.get("draft_pass_ms"),
         "tokens": len(done.tokens),
         "tps": done.decode_tps,
         "acceptance": done.acceptance_rate,
@@ -316,6 +325,9 @@ def main() -> int:
                 result["seconds"] = time.perf_counter() - t0
                 runs.setdefault((p, mode), []).append(result)
                 print_row({"round": r + 1, "prompt": p, "mode": mode, **result})
+                if result.get("target_pass_ms"):  # what the plans read: ms by pass tokens
+                    print(f"    ms of target passes {result['target_pass_ms']}, of draft "
+                          f"passes {result['draft_pass_ms']}", flush=True)  # fmt: skip
     model.close()
 
     rows = summarize(runs, prompts, [*ours, *llama])

@@ -18,8 +18,10 @@ from fastrun.runner.api import Model
 from fastrun.runner.models import model_class
 from fastrun.runner.sampling import Sampler, SamplingParams
 from fastrun.runner.speculative import (
+    COST_WEIGHT,
     MIN_SPEEDUP,
     PROBE_WAIT_FIRST,
+    SURPRISE_MAX,
     WARM_UP_PASSES,
     Acceptance,
     Draft,
@@ -248,6 +250,19 @@ def test_pass_costs_estimates_of_sizes_not_measured():
     costs.record(12, 0.0)
     costs.record(12, 2.0)  # cheaper than 9 (noise): never less than the largest
     assert costs.estimate(20) == 2.0
+
+
+def test_pass_costs_follow_the_load_and_shrug_off_a_stall():
+    costs = PassCosts()
+    for n, seconds in ((1, 1.0), (4, 2.0)):
+        costs.record(n, seconds)
+        costs.record(n, seconds)
+    costs.record(1, 50.0)  # the machine stalled once
+    assert costs.estimate(1) <= SURPRISE_MAX**COST_WEIGHT
+    for _ in range(30):  # the load doubles: only passes of 4 tokens run
+        costs.record(4, 4.0)
+    assert costs.estimate(4) == pytest.approx(4.0, rel=0.05)
+    assert costs.estimate(1) > 1.5  # a size the plans avoid follows in part
 
 
 def test_acceptance_rate_backs_off_quickly_when_drafts_collapse():
