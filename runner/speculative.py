@@ -23,7 +23,8 @@ barely pays is not worth the risk). Sizes of pass never measured are priced alon
 ones (interpolated, or extended along the slope of the two largest; a pass of 2 tokens, with
 only 1 measured, as cheap as 1, so that it is tried). Acceptance forgets per checked token, so
 a collapse shows within a few passes; a drafter the plan declines is probed again with a
-one-token draft after a wait that doubles with each probe the plan does not follow.
+one-token draft after a wait that doubles with each probe the plan does not follow, as long
+as the probe is cheap (a draft model far behind would first read all it missed).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ ACCEPT_DECAY = 0.92  # per checked drafted token: a window of about 12 tokens
 MIN_SPEEDUP = 1.03  # drafts must promise this much over plain decoding, or none are drafted
 PROBE_WAIT_FIRST = 4  # declined steps before a declined drafter is tried again with one token
 PROBE_WAIT_MAX = 64  # the longest wait (it doubles with each probe the plan does not follow)
+PROBE_COST_MAX = 1.0  # plain steps a probe may cost beyond its step (a draft's catch-up)
 
 
 @dataclass(frozen=True)
@@ -662,19 +664,29 @@ class Speculator:
             offers.append((self._rate(state, label), most, lead))
         plan = plan_drafts(offers, len(requests), self.target_costs, self.drafter.costs)
         jobs = []
-        for request, label, k in zip(requests, labels, plan, strict=True):
+        for request, label, k, offer in zip(requests, labels, plan, offers, strict=True):
             if label is None:
                 continue
             probing = request.speculation.probing.setdefault(label, Probing())
             if k >= max(1, s.draft_min):
                 probing.drafting()
-            elif probing.due():  # the plan declines: a one-token probe now and then
-                k = max(1, s.draft_min)
+            elif probing.due() and self._cheap_probe(offer[2]):
+                k = max(1, s.draft_min)  # the plan declines: a one-token probe now and then
             else:
                 continue
             jobs.append((request, request.speculation, k))
         drafts = self.drafter.draft(jobs) if jobs else {}
         return {r: d for r, d in drafts.items() if len(d.tokens) >= s.draft_min}
+
+    def _cheap_probe(self, lead: int) -> bool:
+        """Whether a one-token probe costs at most PROBE_COST_MAX plain steps beyond its own
+        step: a draft model that fell far behind must first read every token it missed, so
+        a drafter declined for long stays off for the rest of the request."""
+        one = self.target_costs.estimate(1)
+        if not lead or not one:
+            return True
+        extra = (self.target_costs.estimate(2) or one) - one
+        return (self.drafter.costs.estimate(lead) or 0.0) + extra <= PROBE_COST_MAX * one
 
     def checked(self, request, draft: Draft, accepted: int) -> None:
         """A draft was checked; `accepted` of its tokens were right."""

@@ -79,6 +79,33 @@ def test_greedy_speculation_equals_plain_decoding_in_mixed_batches(
         assert stats["acceptance_rate"] == 1.0
 
 
+def test_one_loaded_model_switches_drafters_between_requests(tiny_model, draft_model):
+    """Model.speculate: plain, lookup and the draft from one load, each greedy output plain
+    decoding's; the draft reads the prompt in the prefill, so its passes while drafting run
+    a token or two (never the prompt); refused while a request runs, or without a draft."""
+    prompt = REPEATING + list(range(40, 60))
+    m = Model(tiny_model, backend="cpu", n_ctx=128, parallel=1, draft=draft_model)
+    settings = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    m.speculate(None)
+    expect = m.complete(prompt, **settings).tokens
+    for kind in ("lookup", "draft", "lookup+draft", None, "draft"):
+        m.speculate(kind)
+        assert m.complete(prompt, **settings).tokens == expect, kind
+    assert max(m._draft_model.costs.seen) < len(prompt)  # probes' catch-ups at most
+    stream = m.generate(prompt, max_tokens=10**6, ignore_eos=True)  # runs until closed
+    next(iter(stream))
+    with pytest.raises(FastrunError, match="no request runs"):
+        m.speculate("lookup")
+    stream.close()
+    with pytest.raises(FastrunError, match="unknown speculation"):
+        m.speculate("ngram")
+    m.close()
+    plain = Model(tiny_model, backend="cpu", n_ctx=64, parallel=1)
+    with pytest.raises(FastrunError, match="needs a draft model"):
+        plain.speculate("draft")
+    plain.close()
+
+
 def test_greedy_speculation_past_the_context_and_with_stops(tiny_model, draft_model):
     """Context shifts (the draft's cells shift too), max_tokens and stop strings cut a run of
     accepted tokens where plain decoding stops."""
@@ -286,6 +313,16 @@ def test_declined_drafters_are_probed_with_one_token_ever_more_rarely():
     assert len(due) <= 8  # 300 declined steps: a handful of probes, PROBE_WAIT_MAX apart
     p.drafting()
     assert [p.due() for _ in range(PROBE_WAIT_FIRST)][-1]
+
+
+def test_probes_of_a_draft_model_stay_cheap():
+    """A declined draft model falls behind by a token per step: probed while its catch-up
+    is cheap, then left off."""
+    drafter = SimpleNamespace(costs=CPU_DRAFT)
+    spec = Speculator(_AlwaysOffers(), SpeculativeSettings(), 300, CPU_TARGET)
+    spec.drafter = drafter  # only its costs matter here
+    assert spec._cheap_probe(0) and spec._cheap_probe(2)
+    assert not spec._cheap_probe(64)
 
 
 class _Request:
