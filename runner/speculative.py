@@ -47,6 +47,7 @@ WARM_UP_PASSES = 1  # passes of each size not measured (compilation, a CUDA grap
 COST_WEIGHT = 0.3  # of each new measurement of a pass's seconds in its running average
 LOAD_WEIGHT = 0.1  # of a measurement's surprise passed on to the other sizes (the load)
 SURPRISE_MAX = 2.0  # one measurement moves an estimate by this factor at most (outliers)
+STALE_SECONDS = 10.0  # a size not measured for this long beside fresher ones is tried again
 ACCEPT_PRIOR = 0.5  # acceptance assumed before any draft was checked
 ACCEPT_DECAY = 0.92  # per checked drafted token: a window of about 12 tokens
 MIN_SPEEDUP = 1.03  # drafts must promise this much over plain decoding, or none are drafted
@@ -146,25 +147,51 @@ def check_draft(draft: Draft, target, sampler: Sampler) -> tuple[list[int], int]
 class PassCosts:
     """Seconds of a pass by its number of tokens, as measured here: running averages in
     ratios, each measurement's surprise clipped (a stall of the machine is not a new cost)
-    and in part passed on to every size, as the machine's load slows passes of any size alike
-    and a size the plans avoid is not measured again."""
+    and in part passed on to every size (and to the costs that share_load links: the draft
+    model's), as the machine's load slows passes of any size alike and a size the plans avoid
+    is not measured again. A size last measured STALE_SECONDS before the latest measurement
+    counts as not measured (a load spike then is not its cost for ever): it is priced from
+    the fresh sizes, so that a plan tries it again."""
 
-    def __init__(self, unknown: float | None = None):
+    def __init__(self, unknown: float | None = None, clock=time.perf_counter):
         self.seconds: dict[int, float] = {}
+        self.measured_at: dict[int, float] = {}
         self.seen: Counter[int] = Counter()
         self.unknown = unknown  # the estimate while nothing is measured (None: no estimate)
+        self.clock = clock
+        self.peers: list[PassCosts] = []  # other passes on this machine: its load is theirs
+
+    def share_load(self, other: PassCosts) -> None:
+        if other is not self and other not in self.peers:
+            self.peers.append(other)
+            other.peers.append(self)
+
+    def _scale(self, factor: float) -> None:
+        for m in self.seconds:
+            self.seconds[m] *= factor
 
     def record(self, n: int, seconds: float) -> None:
         self.seen[n] += 1
         if self.seen[n] <= WARM_UP_PASSES:
             return
         old = self.seconds.get(n)
-        if old is None or old <= 0.0 or seconds <= 0.0:
+        restart = old is None or self.measured_at[n] < self._latest() - STALE_SECONDS
+        self.measured_at[n] = self.clock()
+        if restart or old <= 0.0 or seconds <= 0.0:
             self.seconds[n] = seconds
             return
         surprise = min(max(seconds / old, 1.0 / SURPRISE_MAX), SURPRISE_MAX)
         for m in self.seconds:
             self.seconds[m] *= surprise ** (COST_WEIGHT if m == n else LOAD_WEIGHT)
+        for peer in self.peers:
+            peer._scale(surprise**LOAD_WEIGHT)
+
+    def _latest(self) -> float:
+        return max(self.measured_at.values(), default=0.0)
+
+    def _fresh(self) -> dict[int, float]:
+        since = self._latest() - STALE_SECONDS
+        return {m: t for m, t in self.seconds.items() if self.measured_at[m] >= since}
 
     def as_ms(self) -> dict[int, float]:
         return {n: round(self.seconds[n] * 1e3, 2) for n in sorted(self.seconds)}
@@ -177,24 +204,25 @@ class PassCosts:
         proportion to it."""
         if n <= 0:
             return 0.0
-        if n in self.seconds:
-            return self.seconds[n]
-        if not self.seconds:
+        seconds = self._fresh()
+        if n in seconds:
+            return seconds[n]
+        if not seconds:
             return self.unknown
-        sizes = sorted(self.seconds)
+        sizes = sorted(seconds)
         below = [m for m in sizes if m < n]
         above = [m for m in sizes if m > n]
         if below and above:
             lo, hi = below[-1], above[0]
-            t_lo, t_hi = self.seconds[lo], self.seconds[hi]
+            t_lo, t_hi = seconds[lo], seconds[hi]
             return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
         if above:
-            return self.seconds[above[0]] * n / above[0]
-        top = self.seconds[sizes[-1]]
+            return seconds[above[0]] * n / above[0]
+        top = seconds[sizes[-1]]
         if len(sizes) == 1:
             return top
         prev = sizes[-2]
-        slope = max((top - self.seconds[prev]) / (sizes[-1] - prev), 0.0)
+        slope = max((top - seconds[prev]) / (sizes[-1] - prev), 0.0)
         return top + slope * (n - sizes[-1])
 
 
@@ -624,6 +652,8 @@ class Speculator:
         drafter.n_vocab = n_vocab
         # seconds of a target step by its tokens: the target's, whichever drafter runs
         self.target_costs = target_costs if target_costs is not None else PassCosts()
+        if drafter.costs is not None:  # one machine: the load slows both models alike
+            self.target_costs.share_load(drafter.costs)
         self.acceptance: dict[str, Acceptance] = {}  # over every sequence, by drafter label
         self.totals = SpeculativeTotals()
 

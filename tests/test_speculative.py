@@ -21,6 +21,7 @@ from fastrun.runner.speculative import (
     COST_WEIGHT,
     MIN_SPEEDUP,
     PROBE_WAIT_FIRST,
+    STALE_SECONDS,
     SURPRISE_MAX,
     WARM_UP_PASSES,
     Acceptance,
@@ -290,6 +291,27 @@ def test_pass_costs_follow_the_load_and_shrug_off_a_stall():
         costs.record(4, 4.0)
     assert costs.estimate(4) == pytest.approx(4.0, rel=0.05)
     assert costs.estimate(1) > 1.5  # a size the plans avoid follows in part
+
+
+def test_stale_pass_costs_are_tried_again_and_the_load_is_shared():
+    now = [0.0]
+    costs, draft = PassCosts(clock=lambda: now[0]), PassCosts(clock=lambda: now[0])
+    costs.share_load(draft)
+    for n, seconds in ((1, 1.0), (3, 9.0)):  # 3 measured in a load spike
+        costs.record(n, seconds)
+        costs.record(n, seconds)
+    draft.record(1, 0.4)
+    draft.record(1, 0.4)
+    now[0] = STALE_SECONDS + 1
+    costs.record(1, 1.0)
+    assert costs.estimate(3) == 1.0  # stale: priced as the fresh size, so a plan tries it
+    costs.record(3, 1.5)
+    costs.record(3, 1.5)
+    assert costs.estimate(3) == pytest.approx(1.5, rel=0.1)  # a fresh start, not an average
+    for _ in range(10):  # the machine gets twice as fast
+        costs.record(1, 0.5)
+    assert draft.estimate(1) < 0.4 * 0.85  # the draft, not running, follows in part
+    assert draft.estimate(1) == draft.seconds[1]  # its own sizes are all it has: not stale
 
 
 def test_acceptance_rate_backs_off_quickly_when_drafts_collapse():
