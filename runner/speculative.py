@@ -50,8 +50,8 @@ SURPRISE_MAX = 2.0  # one measurement moves an estimate by this factor at most (
 STALE_SECONDS = 10.0  # a size not measured for this long beside fresher ones is tried again
 ACCEPT_PRIOR = 0.5  # acceptance assumed before any draft was checked
 ACCEPT_DECAY = 0.92  # per checked drafted token: a window of about 12 tokens
-MIN_SPEEDUP = 1.03  # drafts must promise this much over plain decoding, or none are drafted
-PROBE_WAIT_FIRST = 4  # declined steps before a declined drafter is tried again with one token
+MIN_SPEEDUP = 1.05  # drafts must promise this much over plain decoding, or none are drafted
+PROBE_WAIT_FIRST = 8  # declined steps before a declined drafter is tried again with one token
 PROBE_WAIT_MAX = 64  # the longest wait (it doubles with each probe the plan does not follow)
 PROBE_COST_MAX = 1.0  # plain steps a probe may cost beyond its step (a draft's catch-up)
 
@@ -697,7 +697,9 @@ class Speculator:
         for request, label, k, offer in zip(requests, labels, plan, offers, strict=True):
             if label is None:
                 continue
-            probing = request.speculation.probing.setdefault(label, Probing())
+            # one wait per sequence whatever the label (lookup's n-gram lengths): a failed
+            # probe costs a pass of two tokens, which on a CPU is a third of a step more
+            probing = request.speculation.probing.setdefault(self.kind, Probing())
             if k >= max(1, s.draft_min):
                 probing.drafting()
             elif probing.due() and self._cheap_probe(offer[2]):
