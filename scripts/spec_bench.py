@@ -265,7 +265,8 @@ def main() -> int:
     ap.add_argument(
         "--modes",
         default="plain,lookup,draft,llama-lookup,llama-draft",
-        help="of plain,lookup,draft,both (fastrun's), llama-lookup,llama-draft",
+        help="of plain,lookup,draft,both (fastrun's), llama-lookup,llama-draft; a mode twice "
+        "(plain,lookup,draft,plain) brackets the others against drift",
     )
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("-n", "--tokens", type=int, default=160, help="most tokens per reply")
@@ -330,7 +331,7 @@ def main() -> int:
                           f"passes {result['draft_pass_ms']}", flush=True)  # fmt: skip
     model.close()
 
-    rows = summarize(runs, prompts, [*ours, *llama])
+    rows = summarize(runs, prompts, [*dict.fromkeys(ours), *llama])  # a mode twice: once
     print(f"\nmedians of {args.rounds} round(s), {time.perf_counter() - started:.0f} s in all")
     print_table(rows)
     if args.json:
