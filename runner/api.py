@@ -22,6 +22,7 @@ from fastrun.runner.speculative import (
     LookupDrafter,
     LookupThenModel,
     ModelDrafter,
+    PassCosts,
     SpeculativeSettings,
     Speculator,
     check_vocabularies,
@@ -88,26 +89,45 @@ class Model:
             parallel=parallel, n_ctx=self.n_ctx, batch_size=batch_size, n_keep=n_keep,
             context_shift=context_shift, max_queue=max_queue,
         )  # fmt: skip
-        speculative = SpeculativeSettings(draft_max, draft_min, draft_p_min)
+        self._speculative = SpeculativeSettings(draft_max, draft_min, draft_p_min)
+        self._target_costs = PassCosts()  # a target pass's seconds, shared by every drafter
         self.draft_file = None
-        speculator = self._speculator(draft, lookup, speculative, settings, draft_progress)
+        self._draft_model = None  # the ModelDrafter, where a draft model was loaded
+        if draft is not None:
+            self._draft_model = self._load_draft(draft, settings, draft_progress)
+        kind = ("lookup+draft" if lookup else "draft") if draft is not None else "lookup"
+        speculator = self._speculator(kind) if draft is not None or lookup else None
         self.engine = Engine(self.transformer, self.tokenizer, settings, speculator)
         self._local = threading.local()  # each thread's most recent Completion (`last`)
 
-    def _speculator(self, draft, lookup: bool, speculative, settings, progress):
-        if draft is None:
-            return Speculator(LookupDrafter(), speculative, self.config.n_vocab) if lookup else None
+    def _load_draft(self, draft, settings: EngineSettings, progress) -> ModelDrafter:
         name = paired_draft(self.path) if os.fspath(draft) == "auto" else draft
         self.draft_file = GGUFFile(resolve_model(name))
         check_vocabularies(self.tokenizer, Tokenizer.from_gguf(self.draft_file), str(name))
         model = model_class(self.draft_file.architecture)(self.draft_file, self.backend, progress)
-        drafter = ModelDrafter(
-            model, self.tokenizer, settings.parallel, settings.n_ctx, speculative.draft_p_min,
-            settings.batch_size,
+        return ModelDrafter(
+            model, self.tokenizer, settings.parallel, settings.n_ctx,
+            self._speculative.draft_p_min, settings.batch_size,
         )  # fmt: skip
-        if lookup:  # lookup where it finds a match, the model elsewhere
-            drafter = LookupThenModel(LookupDrafter(), drafter)
-        return Speculator(drafter, speculative, self.config.n_vocab)
+
+    def _speculator(self, kind: str) -> Speculator:
+        if kind == "lookup":
+            drafter = LookupDrafter()
+        elif self._draft_model is None:
+            raise FastrunError(f"speculation {kind!r} needs a draft model loaded (draft=...)")
+        elif kind == "draft":
+            drafter = self._draft_model
+        else:  # lookup where it finds a match, the model elsewhere
+            drafter = LookupThenModel(LookupDrafter(), self._draft_model)
+        return Speculator(drafter, self._speculative, self.config.n_vocab, self._target_costs)
+
+    def speculate(self, kind: str | None) -> None:
+        """Speculation for the requests that follow: None (plain decoding), "lookup", "draft"
+        or "lookup+draft" (these two need the model loaded with a draft); only while no
+        request runs. One loaded model can so compare them (scripts/spec_bench.py)."""
+        if kind not in (None, "lookup", "draft", "lookup+draft"):
+            raise FastrunError(f"unknown speculation {kind!r}: lookup, draft or lookup+draft")
+        self.engine.set_speculator(None if kind is None else self._speculator(kind))
 
     @property
     def last(self) -> Completion:

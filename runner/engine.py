@@ -207,6 +207,17 @@ class Engine:
             raise value
         return value
 
+    def set_speculator(self, speculator: Speculator | None) -> None:
+        """Speculate with another Speculator (or none) from the next request on; refused while
+        any request runs or waits (their sequences carry the old one's state)."""
+
+        def swap():
+            if self._waiting or self._prefilling or self._decoding:
+                raise FastrunError("speculation can change only while no request runs")
+            self.speculator = speculator
+
+        self.call(swap)
+
     def stats(self) -> dict:
         with self._wake:
             return {
@@ -345,6 +356,7 @@ class Engine:
                 rows.append((request, batch.add(request.cache, tokens, "all"), draft))
                 budget -= len(draft.tokens)
         only_decoding = True
+        prompted = []  # requests whose prompts end in this pass
         for request in list(self._prefilling):
             if budget <= 0:
                 break
@@ -356,6 +368,7 @@ class Engine:
                 batch.add(request.cache, chunk, "none")
             else:  # its last chunk: the prompt's logits start the generation
                 rows.append((request, batch.add(request.cache, chunk), None))
+                prompted.append(request)
                 self._prefilling.remove(request)
                 self._decoding.append(request)
         if batch.n == 0:
@@ -368,6 +381,8 @@ class Engine:
                 self._cancel_with(request, e)
             return
         self.steps += 1
+        if self.speculator is not None and prompted:  # a draft model reads the prompts too
+            self.speculator.prefill(prompted)
         for request, row, draft in rows:
             if draft is None:
                 self._advance(request, logits, row)

@@ -16,10 +16,15 @@ a point mass on the argmax and the tokens are plain greedy decoding's, one for o
 
 Adaptive: each step plans how many tokens each sequence drafts from what was measured here,
 on this machine and backend: the seconds of a target pass by its number of tokens, of a draft
-pass, and each sequence's acceptance rate. It picks the plan with the most expected tokens per
-second, and no drafts at all when plain decoding does better. Sizes of pass never measured
-are priced at the least they could cost (a pass of more tokens costs no less, and no more per
-token), so they are tried once and then known.
+pass by its tokens (a draft that fell behind runs the tokens it missed first), and each
+sequence's acceptance rate. It picks the plan with the most expected tokens per second, and no
+drafts at all unless that beats plain decoding by a margin (estimates are noisy; a draft that
+barely pays is not worth the risk). Sizes of pass never measured are priced along the measured
+ones (interpolated, or extended along the slope of the two largest; a pass of 2 tokens, with
+only 1 measured, as cheap as 1, so that it is tried). Acceptance forgets per checked token, so
+a collapse shows within a few passes; a drafter the plan declines is probed again with a
+one-token draft after a wait that doubles with each probe the plan does not follow, as long
+as the probe is cheap (a draft model far behind would first read all it missed).
 """
 
 from __future__ import annotations
@@ -40,9 +45,15 @@ CONFIDENCE_CANDIDATES = 10  # draft tokens whose probabilities judge --draft-p-m
 VOCAB_SLACK = 128  # tokens a draft's vocabulary may have more or fewer than the target's
 WARM_UP_PASSES = 1  # passes of each size not measured (compilation, a CUDA graph's capture)
 COST_WEIGHT = 0.3  # of each new measurement of a pass's seconds in its running average
+LOAD_WEIGHT = 0.1  # of a measurement's surprise passed on to the other sizes (the load)
+SURPRISE_MAX = 2.0  # one measurement moves an estimate by this factor at most (outliers)
+STALE_SECONDS = 10.0  # a size not measured for this long beside fresher ones is tried again
 ACCEPT_PRIOR = 0.5  # acceptance assumed before any draft was checked
-ACCEPT_DECAY = 0.9  # per checked draft: older drafts of a sequence count less
-DECLINED_DECAY = 0.97  # per declined offer: a sequence's low rate drifts back to the prior
+ACCEPT_DECAY = 0.92  # per checked drafted token: a window of about 12 tokens
+MIN_SPEEDUP = 1.05  # drafts must promise this much over plain decoding, or none are drafted
+PROBE_WAIT_FIRST = 8  # declined steps before a declined drafter is tried again with one token
+PROBE_WAIT_MAX = 64  # the longest wait (it doubles with each probe the plan does not follow)
+PROBE_COST_MAX = 1.0  # plain steps a probe may cost beyond its step (a draft's catch-up)
 
 
 @dataclass(frozen=True)
@@ -134,68 +145,152 @@ def check_draft(draft: Draft, target, sampler: Sampler) -> tuple[list[int], int]
 
 
 class PassCosts:
-    """Seconds of a pass by its number of tokens, as measured here (running averages)."""
+    """Seconds of a pass by its number of tokens, as measured here: running averages in
+    ratios, each measurement's surprise clipped (a stall of the machine is not a new cost)
+    and in part passed on to every size (and to the costs that share_load links: the draft
+    model's), as the machine's load slows passes of any size alike and a size the plans avoid
+    is not measured again. A size last measured STALE_SECONDS before the latest measurement
+    counts as not measured (a load spike then is not its cost for ever): it is priced from
+    the fresh sizes, so that a plan tries it again."""
 
-    def __init__(self, unknown: float | None = None):
+    def __init__(self, unknown: float | None = None, clock=time.perf_counter):
         self.seconds: dict[int, float] = {}
+        self.measured_at: dict[int, float] = {}
         self.seen: Counter[int] = Counter()
         self.unknown = unknown  # the estimate while nothing is measured (None: no estimate)
+        self.clock = clock
+        self.peers: list[PassCosts] = []  # other passes on this machine: its load is theirs
+
+    def share_load(self, other: PassCosts) -> None:
+        if other is not self and other not in self.peers:
+            self.peers.append(other)
+            other.peers.append(self)
+
+    def _scale(self, factor: float) -> None:
+        for m in self.seconds:
+            self.seconds[m] *= factor
 
     def record(self, n: int, seconds: float) -> None:
         self.seen[n] += 1
         if self.seen[n] <= WARM_UP_PASSES:
             return
         old = self.seconds.get(n)
-        self.seconds[n] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+        restart = old is None or self.measured_at[n] < self._latest() - STALE_SECONDS
+        self.measured_at[n] = self.clock()
+        if restart or old <= 0.0 or seconds <= 0.0:
+            self.seconds[n] = seconds
+            return
+        surprise = min(max(seconds / old, 1.0 / SURPRISE_MAX), SURPRISE_MAX)
+        for m in self.seconds:
+            self.seconds[m] *= surprise ** (COST_WEIGHT if m == n else LOAD_WEIGHT)
+        for peer in self.peers:
+            peer._scale(surprise**LOAD_WEIGHT)
+
+    def _latest(self) -> float:
+        return max(self.measured_at.values(), default=0.0)
+
+    def _fresh(self) -> dict[int, float]:
+        since = self._latest() - STALE_SECONDS
+        return {m: t for m, t in self.seconds.items() if self.measured_at[m] >= since}
+
+    def as_ms(self) -> dict[int, float]:
+        return {n: round(self.seconds[n] * 1e3, 2) for n in sorted(self.seconds)}
 
     def estimate(self, n: int) -> float | None:
-        """The measured seconds of n tokens; for a size not measured, the least it can cost:
-        no less than a smaller pass, no less per token than a larger one."""
+        """The measured seconds of n tokens; for a size not measured, a line through the
+        measured sizes around it, or beyond the largest along the slope of the two largest
+        (never less than the largest; with a single size measured, a larger pass is priced
+        as that one, so that it is tried once and then known); below the smallest, in
+        proportion to it."""
         if n <= 0:
             return 0.0
-        if n in self.seconds:
-            return self.seconds[n]
-        if not self.seconds:
+        seconds = self._fresh()
+        if n in seconds:
+            return seconds[n]
+        if not seconds:
             return self.unknown
-        below = max((s for m, s in self.seconds.items() if m < n), default=0.0)
-        above = max((s * n / m for m, s in self.seconds.items() if m > n), default=0.0)
-        return max(below, above)
+        sizes = sorted(seconds)
+        below = [m for m in sizes if m < n]
+        above = [m for m in sizes if m > n]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            t_lo, t_hi = seconds[lo], seconds[hi]
+            return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
+        if above:
+            return seconds[above[0]] * n / above[0]
+        top = seconds[sizes[-1]]
+        if len(sizes) == 1:
+            return top
+        prev = sizes[-2]
+        slope = max((top - seconds[prev]) / (sizes[-1] - prev), 0.0)
+        return top + slope * (n - sizes[-1])
 
 
 @dataclass
 class Acceptance:
     """How often drafted tokens were accepted: successes over trials, a trial being each drafted
-    token checked up to and including the first rejected one, older ones counting less."""
+    token checked up to and including the first rejected one; each trial weighs ACCEPT_DECAY
+    times the next one, so a collapse lowers the rate within a few checking passes."""
 
     accepted: float = 0.0
     trials: float = 0.0
 
     def record(self, drafted: int, accepted: int) -> None:
-        self.accepted = self.accepted * ACCEPT_DECAY + accepted
-        self.trials = self.trials * ACCEPT_DECAY + accepted + (accepted < drafted)
-
-    def decline(self) -> None:
-        self.accepted *= DECLINED_DECAY
-        self.trials *= DECLINED_DECAY
+        trials = accepted + (accepted < drafted)
+        older = ACCEPT_DECAY**trials
+        self.accepted = self.accepted * older + accepted
+        self.trials = self.trials * older + trials
 
     def rate(self, prior: float, weight: float = 2.0) -> float:
         return (self.accepted + weight * prior) / (self.trials + weight)
 
 
+@dataclass
+class Probing:
+    """When a drafter the plans decline is tried again: a one-token draft after `wait` declined
+    steps, the wait doubling with each probe (up to PROBE_WAIT_MAX) until the plan drafts on
+    its own again. A probe costs at most a pass of two tokens and a draft step where the
+    drafter is a model; it refreshes the acceptance that plans read."""
+
+    wait: int = PROBE_WAIT_FIRST
+    declined: int = 0
+
+    def due(self) -> bool:
+        """A declined step: whether it is time for a probe."""
+        self.declined += 1
+        if self.declined < self.wait:
+            return False
+        self.declined = 0
+        self.wait = min(2 * self.wait, PROBE_WAIT_MAX)
+        return True
+
+    def drafting(self) -> None:
+        self.wait, self.declined = PROBE_WAIT_FIRST, 0
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a pass that checks k drafts yields in expectation: its own and each drafted one
+    kept with the chance that it and all before it are accepted."""
+    return sum(rate**j for j in range(k + 1))
+
+
 def plan_drafts(
-    offers: list[tuple[float, int, bool]],
+    offers: list[tuple[float, int, int]],
     n_plain: int,
     target: PassCosts,
     draft: PassCosts | None,
+    min_speedup: float = MIN_SPEEDUP,
 ) -> list[int]:
     """How many tokens each sequence drafts this step.
 
     offers: per sequence, its acceptance rate a, the most tokens it may draft (its j-th drafted
-    token then adds a**j tokens in expectation) and whether a draft model's passes make them.
+    token then adds a**j tokens in expectation), and the tokens a draft model runs before its
+    first draft (its last token and any it has not seen yet; 0: a free drafter, lookup).
     n_plain: the tokens of the step without drafts (one per decoding sequence). target: the
     seconds of target passes by tokens; draft: of draft passes (None: no draft model). The
-    plan maximizes expected tokens per second; all zeros when plain decoding is best or its
-    cost is not known yet."""
+    plan maximizes expected tokens per second (a draft model's passes batch the sequences
+    that draft a j-th token); all zeros unless it beats plain decoding by `min_speedup`, or
+    while the cost of plain decoding is not known yet."""
     plain = target.estimate(n_plain)
     if not plain:
         return [0] * len(offers)
@@ -206,15 +301,16 @@ def plan_drafts(
         for j in range(1, most + 1)
     )
     extra = sorted(gains, key=lambda c: (-c[0], c[1], c[2]))
-    best_rate, best = n_plain / plain, 0
-    gain, drafting, per_pass = 0.0, 0.0, Counter()  # per_pass[j]: sequences drafting a j-th
+    best_rate, best = min_speedup * n_plain / plain, 0
+    gain, drafting = 0.0, 0.0
+    draft_pass = Counter()  # draft_pass[j]: tokens of the draft model's j-th pass
     for i, (g, s, j) in enumerate(extra, start=1):
         gain += g
-        if draft is not None and offers[s][2]:
-            per_pass[j] += 1
-            drafting += (draft.estimate(per_pass[j]) or 0.0) - (
-                draft.estimate(per_pass[j] - 1) or 0.0
-            )
+        lead = offers[s][2]
+        if lead and draft is not None:
+            before = draft_pass[j]
+            draft_pass[j] += lead if j == 1 else 1
+            drafting += (draft.estimate(draft_pass[j]) or 0.0) - (draft.estimate(before) or 0.0)
         rate = (n_plain + gain) / (target.estimate(n_plain + i) + drafting)
         if rate > best_rate:
             best_rate, best = rate, i
@@ -272,6 +368,7 @@ class SequenceState:
     draft sampler, the offer of this step."""
 
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    probing: dict[str, Probing] = field(default_factory=dict)
     index: NgramIndex | None = None
     sampler: Sampler | None = None
     offer: Draft | None = None  # lookup: the tokens proposed before the plan trims them
@@ -284,8 +381,11 @@ class LookupDrafter:
     kind = "lookup"
     costs = None
 
-    def costly(self, label: str) -> bool:
-        return False
+    def lead(self, request, label: str) -> int:
+        return 0
+
+    def prefill(self, requests) -> None:
+        pass
 
     def start(self, request, state: SequenceState) -> None:
         state.index = NgramIndex()
@@ -319,9 +419,6 @@ class ModelDrafter:
 
     kind = "draft"
 
-    def costly(self, label: str) -> bool:
-        return True
-
     def __init__(self, transformer, tokenizer, n_seq: int, n_ctx: int, p_min: float, chunk: int):
         self.transformer = transformer
         self.tokenizer = tokenizer
@@ -347,34 +444,58 @@ class ModelDrafter:
     def _cache(self, request):
         return self.cells.sequences[request.cache.index]
 
+    @staticmethod
+    def _context(request) -> list[int]:
+        return request.cache.tokens + [request.next_token]
+
+    def _seen(self, request, context: list[int]) -> int:
+        """Tokens of the context the draft's cells keep; the last token always runs again:
+        its logits give the first draft."""
+        return self._cache(request).reusable_prefix(context, len(context) - 1)
+
+    def lead(self, request, label: str) -> int:
+        """Tokens the draft's first pass runs for this sequence: the ones it has not seen."""
+        context = self._context(request)
+        return len(context) - self._seen(request, context)
+
+    def prefill(self, requests) -> None:
+        """Run new prompts through the draft beside the target's prefill (as llama.cpp's
+        speculative example does), so that the first draft runs one token."""
+        todo = {}
+        for request in requests:
+            cache = self._cache(request)
+            cache.trim(min(cache.common_prefix(request.prompt), len(request.prompt)))
+            todo[request] = (None, 0, request.prompt[cache.length :], None)
+        self._catch_up(todo, leave=0)
+
     def draft(self, jobs) -> dict:
         """Draft up to k tokens for each (request, state, k): catch the draft's cells up with
         the target's tokens, then one pass per drafted token; a sequence stops early at a
         token less likely than p_min, or at an end-of-generation token."""
         todo = {}  # request -> (state, k, tokens to run next, Draft)
         for request, state, k in jobs:
-            context = request.cache.tokens + [request.next_token]
+            context = self._context(request)
             cache = self._cache(request)
-            # the last token always runs again: its logits give the first draft
-            cache.trim(cache.reusable_prefix(context, len(context) - 1))
+            cache.trim(self._seen(request, context))
             todo[request] = (state, k, context[cache.length :], Draft(self.kind, [], []))
-        self._catch_up(todo)
+        self._catch_up(todo, leave=self.chunk)
         drafts = {request: entry[3] for request, entry in todo.items()}
         while todo:
             todo = self._draft_one(todo)
         return {r: d for r, d in drafts.items() if d.tokens}
 
-    def _catch_up(self, todo: dict) -> None:
+    def _catch_up(self, todo: dict, leave: int) -> None:
         """Long catch-ups (a new prompt, a context shift) first, in chunks that want no
-        logits; every sequence is then at most one chunk behind."""
+        logits; every sequence is then at most `leave` tokens behind."""
         while True:
-            behind = [(r, e) for r, e in todo.items() if len(e[2]) > self.chunk]
+            behind = [(r, e) for r, e in todo.items() if len(e[2]) > leave]
             if not behind:
                 return
             batch = Batch()
             for request, (state, k, pending, d) in behind:
-                batch.add(self._cache(request), pending[: self.chunk], "none")
-                todo[request] = (state, k, pending[self.chunk :], d)
+                run = min(self.chunk, len(pending))
+                batch.add(self._cache(request), pending[:run], "none")
+                todo[request] = (state, k, pending[run:], d)
             self.transformer.run(batch, self.cells)
 
     def _draft_one(self, todo: dict) -> dict:
@@ -449,8 +570,11 @@ class LookupThenModel:
     def n_vocab(self, n: int) -> None:
         self.model.n_vocab = n
 
-    def costly(self, label: str) -> bool:
-        return label == self.model.kind
+    def lead(self, request, label: str) -> int:
+        return self.model.lead(request, label) if label == self.model.kind else 0
+
+    def prefill(self, requests) -> None:
+        self.model.prefill(requests)
 
     def start(self, request, state: SequenceState) -> None:
         self.lookup.start(request, state)
@@ -522,11 +646,14 @@ class Speculator:
     """What the engine asks of speculation each step: drafts for its decoding sequences
     (planned by measured costs and acceptance), then what was kept of them."""
 
-    def __init__(self, drafter, settings: SpeculativeSettings, n_vocab: int):
+    def __init__(self, drafter, settings: SpeculativeSettings, n_vocab: int, target_costs=None):
         self.drafter = drafter
         self.settings = settings
         drafter.n_vocab = n_vocab
-        self.target_costs = PassCosts()  # seconds of a target step by its tokens
+        # seconds of a target step by its tokens: the target's, whichever drafter runs
+        self.target_costs = target_costs if target_costs is not None else PassCosts()
+        if drafter.costs is not None:  # one machine: the load slows both models alike
+            self.target_costs.share_load(drafter.costs)
         self.acceptance: dict[str, Acceptance] = {}  # over every sequence, by drafter label
         self.totals = SpeculativeTotals()
 
@@ -559,20 +686,39 @@ class Speculator:
             if room >= max(1, s.draft_min):
                 label = self.drafter.offer(request, state, room)
             labels.append(label)
-            most = 0 if label is None else min(room, self.drafter.most(state))
-            rate = 0.0 if label is None else self._rate(state, label)
-            offers.append((rate, most, label is not None and self.drafter.costly(label)))
+            if label is None:
+                offers.append((0.0, 0, 0))
+                continue
+            most = min(room, self.drafter.most(state))
+            lead = self.drafter.lead(request, label)
+            offers.append((self._rate(state, label), most, lead))
         plan = plan_drafts(offers, len(requests), self.target_costs, self.drafter.costs)
         jobs = []
-        for request, label, k in zip(requests, labels, plan, strict=True):
+        for request, label, k, offer in zip(requests, labels, plan, offers, strict=True):
             if label is None:
                 continue
-            if k < max(1, s.draft_min):
-                request.speculation.acceptance[label].decline()
+            # one wait per sequence whatever the label (lookup's n-gram lengths): a failed
+            # probe costs a pass of two tokens, which on a CPU is a third of a step more
+            probing = request.speculation.probing.setdefault(self.kind, Probing())
+            if k >= max(1, s.draft_min):
+                probing.drafting()
+            elif probing.due() and self._cheap_probe(offer[2]):
+                k = max(1, s.draft_min)  # the plan declines: a one-token probe now and then
+            else:
                 continue
             jobs.append((request, request.speculation, k))
         drafts = self.drafter.draft(jobs) if jobs else {}
         return {r: d for r, d in drafts.items() if len(d.tokens) >= s.draft_min}
+
+    def _cheap_probe(self, lead: int) -> bool:
+        """Whether a one-token probe costs at most PROBE_COST_MAX plain steps beyond its own
+        step: a draft model that fell far behind must first read every token it missed, so
+        a drafter declined for long stays off for the rest of the request."""
+        one = self.target_costs.estimate(1)
+        if not lead or not one:
+            return True
+        extra = (self.target_costs.estimate(2) or one) - one
+        return (self.drafter.costs.estimate(lead) or 0.0) + extra <= PROBE_COST_MAX * one
 
     def checked(self, request, draft: Draft, accepted: int) -> None:
         """A draft was checked; `accepted` of its tokens were right."""
@@ -588,6 +734,10 @@ class Speculator:
     def rolled_back(self, request) -> None:
         self.drafter.rolled_back(request, request.cache.length)
 
+    def prefill(self, requests: list) -> None:
+        """These requests' prompts were run through the target: the drafter reads them too."""
+        self.drafter.prefill(requests)
+
     def step_done(self, n_tokens: int, seconds: float) -> None:
         """A target step of only decoding sequences' tokens took `seconds`."""
         self.target_costs.record(n_tokens, seconds)
@@ -596,4 +746,9 @@ class Speculator:
         self.drafter.shifted(request, keep, discard)
 
     def stats(self) -> dict:
-        return {"kind": self.kind, **self.totals.as_dict()}
+        """Totals of drafts, and the measured milliseconds of a pass by its tokens (the
+        target's and the draft model's) that the plans read."""
+        costs = {"target_pass_ms": self.target_costs.as_ms()}
+        if self.drafter.costs is not None:
+            costs["draft_pass_ms"] = self.drafter.costs.as_ms()
+        return {"kind": self.kind, **self.totals.as_dict(), **costs}

@@ -4,17 +4,23 @@ code-edit prompts (add type hints to a function, rename a variable, fix a bug; 2
 each) and a story, greedy, with llama.cpp's `llama-speculative` and `llama-lookup` on the same
 prompts and models where their binaries are found; ratios in one run, medians of rounds.
 
-    python scripts/spec_bench.py                          # Qwen2.5-Coder 1.5B, 0.5B draft
-    python scripts/spec_bench.py --threads 2 --rounds 3 --llama-bin /path/to/build/bin \\
-        --json spec.json
-    python scripts/spec_bench.py --target smollm2-135m-instruct --draft none --backend cuda
+    python scripts/spec_bench.py            # Qwen2.5-Coder 1.5B, 0.5B draft, 160 tokens, 1 round
+    python scripts/spec_bench.py -n 96 --prompts rename,story --modes plain,lookup,draft
+    python scripts/spec_bench.py --rounds 2 --llama-bin /path/to/build/bin --json spec.json
+    python scripts/spec_bench.py --target smollm2-135m-instruct --draft none --backend cuda \\
+        --modes plain,lookup
     python scripts/spec_bench.py --verify-cost --backend cuda --shape llama2-7b   # Q4_0, random
-    python scripts/spec_bench.py --verify-cost --backend cpu --threads 2          # --target's file
+    python scripts/spec_bench.py --verify-cost --backend cpu --verify-sizes 1,2,4,8  # --target
 
-Each round runs every prompt in every mode back to back (fastrun's modes, then llama.cpp's),
-so a machine's drift hits them alike. The prompt is the chat template's rendering, tokenized
-by both tools with special tokens parsed. tok/s: generated tokens over the decode's seconds
-(after the prompt's first token; a draft model's own prompt pass is inside them).
+The target is loaded once (with the draft beside it where a mode needs it) and switches
+between plain decoding, lookup and the draft (`Model.speculate`), after a short warm-up run
+of each mode. Each round runs every prompt in every mode back to back (fastrun's modes, then
+llama.cpp's), so a machine's drift hits them alike; each run's row is printed as it ends.
+The prompt is the chat template's rendering, tokenized by both tools with special tokens
+parsed; both get the same token budget (-n), context (-c), threads (-t), greedy sampling
+(--temp 0) and most drafted tokens (--spec-draft-n-max). tok/s: generated tokens over the
+decode's seconds, after the prompt's first token; the draft model reads the prompt during
+the prefill in both tools (llama.cpp's "encoded" time), so it is outside them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_LLAMA_BIN = "/work/llamacpp/llama_cpp_python-0.3.36/build/bin"
@@ -97,30 +104,42 @@ PROMPTS = {
 CODE_PROMPTS = ("type-hints", "rename", "fix-bug")
 
 
-def fastrun_modes(args) -> dict[str, dict]:
-    modes = {"plain": {}, "lookup": {"lookup": True}}
-    if args.draft != "none":
-        modes["draft"] = {"draft": args.draft}
-        modes["both"] = {"draft": args.draft, "lookup": True}  # lookup, the draft elsewhere
-    return {name: kw for name, kw in modes.items() if name in args.modes.split(",")}
+SPECULATION = {"plain": None, "lookup": "lookup", "draft": "draft", "both": "lookup+draft"}
+LLAMA_PEERS = {"lookup": "llama-lookup", "draft": "llama-draft"}  # our mode -> llama.cpp's
 
 
-def load(args, **speculative):
+def fastrun_modes(args) -> list[str]:
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in SPECULATION and m not in LLAMA_PEERS.values()]
+    if unknown:
+        sys.exit(f"unknown modes {unknown}: of {', '.join([*SPECULATION, *LLAMA_PEERS.values()])}")
+    if args.draft == "none":
+        modes = [m for m in modes if m not in ("draft", "both", "llama-draft")]
+    return modes
+
+
+def load(args, with_draft: bool):
+    """The target, once, with the draft beside it where a mode needs one; `speculate` then
+    switches between the modes."""
     from fastrun.runner.api import Model
     from fastrun.runner.registry import resolve_model
 
-    if speculative.get("draft"):
-        speculative["draft"] = resolve_model(speculative["draft"])
-    drafting = dict(draft_max=args.draft_max, draft_p_min=args.draft_p_min)
+    extra = {}
+    if with_draft:
+        extra = dict(draft=resolve_model(args.draft), draft_p_min=args.draft_p_min)
     return Model(
         resolve_model(args.target), backend=args.backend, n_ctx=args.ctx, parallel=1,
-        threads=args.threads, **speculative, **(drafting if speculative else {}),
+        threads=args.threads, draft_max=args.draft_max, **extra,
     )  # fmt: skip
 
 
-def run_fastrun(model, text: str, n: int) -> dict:
+def run_fastrun(model, mode: str, text: str, n: int) -> dict:
+    model.speculate(SPECULATION[mode])
     done = model.complete(text, max_tokens=n, temperature=0)
+    costs = model.stats().get("speculative", {})
     return {
+        "target_pass_ms": costs.get("target_pass_ms"),
+        "draft_pass_ms": costs.get("draft_pass_ms"),
         "tokens": len(done.tokens),
         "tps": done.decode_tps,
         "acceptance": done.acceptance_rate,
@@ -134,21 +153,23 @@ ACCEPT = re.compile(r"accept\s*=\s*([\d.]+)%")
 
 
 def run_llama(binary: Path, args, paths: dict, text: str, n: int) -> dict | None:
-    """llama-speculative (target + draft) or llama-lookup on one prompt: its own report."""
+    """llama-speculative (target + draft) or llama-lookup on one prompt, greedy, the same
+    token budget, context, threads and most drafted tokens: its own report (its decode
+    seconds, the draft's prompt pass outside them as ours)."""
     cmd = [str(binary), "-m", str(paths["target"]), "-p", text, "-n", str(n), "--temp", "0",
-           "-t", str(args.threads), "-c", str(args.ctx),
+           "-t", str(args.threads), "-c", str(args.ctx), "--no-escape",
            "--spec-draft-n-max", str(args.llama_draft)]  # fmt: skip
     if binary.name == "llama-speculative":
         cmd += ["-md", str(paths["draft"]), "--spec-draft-p-min", str(args.draft_p_min)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"  {binary.name}: {e}", file=sys.stderr)
+        print(f"  {binary.name}: {e}", file=sys.stderr, flush=True)
         return None
     out = r.stdout + r.stderr
     decoded = DECODED.search(out)
     if r.returncode != 0 or decoded is None:
-        print(f"  {binary.name} failed ({r.returncode}): {out[-400:]}", file=sys.stderr)
+        print(f"  {binary.name} failed ({r.returncode}): {out[-400:]}", file=sys.stderr, flush=True)
         return None
     accept = ACCEPT.search(out)
     return {
@@ -158,14 +179,16 @@ def run_llama(binary: Path, args, paths: dict, text: str, n: int) -> dict | None
     }
 
 
-def llama_binaries(args) -> dict[str, Path]:
+def llama_binaries(args, modes: list[str]) -> dict[str, Path]:
     folder = Path(args.llama_bin)
     found = {}
     for mode, name in (("llama-lookup", "llama-lookup"), ("llama-draft", "llama-speculative")):
+        if mode not in modes:
+            continue
         if (folder / name).is_file() and os.access(folder / name, os.X_OK):
-            if mode == "llama-draft" and args.draft == "none":
-                continue
             found[mode] = folder / name
+        else:
+            print(f"no {folder / name}: {mode} left out", file=sys.stderr, flush=True)
     return found
 
 
@@ -178,9 +201,9 @@ SHAPES = {  # (arch, n_embd, n_ff, n_layer, n_head, n_head_kv, n_vocab): random 
 def verify_costs(args) -> list[dict]:
     """A pass that checks k drafts (k + 1 tokens of one sequence, logits for each, as the
     engine runs it: a captured step on CUDA) against one decode step, after 512 cached tokens;
-    seconds are medians of 20 passes."""
+    seconds are medians of --verify-passes rounds, each round a pass of every size in turn
+    (so that a noisy machine's drift hits the sizes alike)."""
     import tempfile
-    import time
 
     import numpy as np
 
@@ -207,23 +230,29 @@ def verify_costs(args) -> list[dict]:
         cells = model.new_cells(1, 1024)
         cache = cells.sequences[0]
         model.forward(np.random.default_rng(0).integers(0, 256, 512), cache)
-        rows, single = [], None
-        for k in range(0, 9):
+        sizes = [int(n) for n in args.verify_sizes.split(",")]
 
-            def once(k=k):
-                cache.trim(512)
-                batch = Batch()
-                batch.add(cache, [1] * (k + 1), "all")
-                t0 = time.perf_counter()
-                model.run(batch, cells, top_k=1)
-                return time.perf_counter() - t0
+        def once(n: int) -> float:
+            cache.trim(512)
+            batch = Batch()
+            batch.add(cache, [1] * n, "all")
+            t0 = time.perf_counter()
+            model.run(batch, cells, top_k=1)
+            return time.perf_counter() - t0
 
-            for _ in range(3):  # warm-up: the graph of this size is captured
-                once()
-            seconds = statistics.median(once() for _ in range(20))
-            single = single or seconds
-            rows.append({"k": k, "tokens": k + 1, "ms": round(seconds * 1e3, 3),
-                         "vs_decode_step": round(seconds / single, 3)})  # fmt: skip
+        for _ in range(3):  # warm-up: compiled kernels, the graph of each size captured
+            for n in sizes:
+                once(n)
+        seconds = {n: [] for n in sizes}
+        for _ in range(args.verify_passes):
+            for n in sizes:
+                seconds[n].append(once(n))
+        single = statistics.median(seconds[sizes[0]])
+        rows = []
+        for n in sizes:
+            ms = statistics.median(seconds[n]) * 1e3
+            rows.append({"k": n - 1, "tokens": n, "ms": round(ms, 3),
+                         f"vs_{sizes[0]}_tokens": round(ms / 1e3 / single, 3)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         f.close()
     return rows
@@ -233,10 +262,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="'none': no draft")
-    ap.add_argument("--modes", default="plain,lookup,draft", help="of plain,lookup,draft,both")
+    ap.add_argument(
+        "--modes",
+        default="plain,lookup,draft,llama-lookup,llama-draft",
+        help="of plain,lookup,draft,both (fastrun's), llama-lookup,llama-draft; a mode twice "
+        "(plain,lookup,draft,plain) brackets the others against drift",
+    )
     ap.add_argument("--prompts", default=",".join(PROMPTS))
-    ap.add_argument("-n", "--tokens", type=int, default=256, help="most tokens per reply")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-n", "--tokens", type=int, default=160, help="most tokens per reply")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--ctx", type=int, default=2048)
@@ -247,6 +281,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--verify-cost", action="store_true", help="only a checking pass's cost")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="--verify-cost on random weights")
+    ap.add_argument("--verify-sizes", default="1,2,3,4,5,6,7,8,9", help="--verify-cost: tokens")
+    ap.add_argument("--verify-passes", type=int, default=20, help="--verify-cost: rounds")
     args = ap.parse_args()
     if args.verify_cost:
         rows = verify_costs(args)
@@ -256,47 +292,78 @@ def main() -> int:
 
     from fastrun.runner.registry import resolve_model
 
-    prompts = args.prompts.split(",")
+    started = time.perf_counter()
+    prompts = [p for p in args.prompts.split(",") if p]
+    unknown = [p for p in prompts if p not in PROMPTS]
+    if unknown:
+        sys.exit(f"unknown prompts {unknown}: of {', '.join(PROMPTS)}")
     modes = fastrun_modes(args)
-    models = {name: load(args, **kw) for name, kw in modes.items()}
-    texts = {p: models["plain"].template.render([{"role": "user", "content": PROMPTS[p]}],
-                                                add_generation_prompt=True)
-             for p in prompts}  # fmt: skip
-    llama = llama_binaries(args)
+    ours = [m for m in modes if m in SPECULATION]
+    llama = llama_binaries(args, modes)
     paths = {"target": resolve_model(args.target)}
     if args.draft != "none":
         paths["draft"] = resolve_model(args.draft)
-    for model in models.values():  # warm-up: compiled kernels, page faults
-        model.complete(texts[prompts[0]], max_tokens=8, temperature=0)
+    model = load(args, with_draft=any(m in ("draft", "both") for m in ours))
+    texts = {p: model.template.render([{"role": "user", "content": PROMPTS[p]}],
+                                      add_generation_prompt=True)
+             for p in prompts}  # fmt: skip
+    for mode in ours:  # warm-up: compiled kernels of every pass size, page faults
+        run_fastrun(model, mode, texts[prompts[0]], 24)
+    print(f"loaded and warmed up in {time.perf_counter() - started:.0f} s", flush=True)
+    print_header()
 
     runs: dict = {}  # (prompt, mode) -> [result per round]
     for r in range(args.rounds):
         for p in prompts:
-            for mode, model in models.items():
-                runs.setdefault((p, mode), []).append(run_fastrun(model, texts[p], args.tokens))
-            for mode, binary in llama.items():
-                result = run_llama(binary, args, paths, texts[p], args.tokens)
-                if result is not None:
-                    runs.setdefault((p, mode), []).append(result)
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+            for mode in [*ours, *llama]:
+                t0 = time.perf_counter()
+                if mode in SPECULATION:
+                    result = run_fastrun(model, mode, texts[p], args.tokens)
+                else:
+                    result = run_llama(llama[mode], args, paths, texts[p], args.tokens)
+                if result is None:
+                    continue
+                result["seconds"] = time.perf_counter() - t0
+                runs.setdefault((p, mode), []).append(result)
+                print_row({"round": r + 1, "prompt": p, "mode": mode, **result})
+                if result.get("target_pass_ms"):  # what the plans read: ms by pass tokens
+                    print(f"    ms of target passes {result['target_pass_ms']}, of draft "
+                          f"passes {result['draft_pass_ms']}", flush=True)  # fmt: skip
+    model.close()
 
-    rows = summarize(runs, prompts, [*modes, *llama])
+    rows = summarize(runs, prompts, [*dict.fromkeys(ours), *llama])  # a mode twice: once
+    print(f"\nmedians of {args.rounds} round(s), {time.perf_counter() - started:.0f} s in all")
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     exact = all(
         run["ids"] == runs[(p, "plain")][0]["ids"]
         for (p, mode), rs in runs.items()
-        if mode in modes and "plain" in modes
+        if mode in SPECULATION and (p, "plain") in runs
         for run in rs
     )
     print(f"greedy output identical in every fastrun mode: {exact}")
     return 0 if exact else 1
 
 
+ROW = ("round", "prompt", "mode", "tokens", "tps", "acceptance", "mean_accepted", "seconds")
+
+
+def print_header() -> None:
+    print(" | ".join(f"{h:>13}" for h in ROW), flush=True)
+
+
+def print_row(result: dict) -> None:
+    cells = []
+    for h in ROW:
+        v = result.get(h, "")
+        cells.append(f"{v:>13.3f}" if isinstance(v, float) else f"{v!s:>13}")
+    print(" | ".join(cells), flush=True)
+
+
 def summarize(runs: dict, prompts: list[str], modes: list[str]) -> list[dict]:
     """A row per prompt and mode: medians over rounds, and ratios against fastrun's plain
-    decoding and (for fastrun's speculative modes) llama.cpp's speculative mode."""
+    decoding and (for fastrun's speculative modes) llama.cpp's mode of the same drafter."""
     rows = []
     median = statistics.median
     for p in prompts:
@@ -311,7 +378,7 @@ def summarize(runs: dict, prompts: list[str], modes: list[str]) -> list[dict]:
                 "tps": round(tps, 2), "vs_plain": round(tps / plain, 3) if plain else None,
                 "acceptance": round(median(x["acceptance"] for x in rs), 3),
             }  # fmt: skip
-            peer = runs.get((p, f"llama-{mode}"))
+            peer = runs.get((p, LLAMA_PEERS.get(mode, "")))
             if peer:
                 row["vs_llama"] = round(tps / median(x["tps"] for x in peer), 3)
             rows.append(row)
@@ -323,11 +390,29 @@ def summarize(runs: dict, prompts: list[str], modes: list[str]) -> list[dict]:
     return rows
 
 
+TARGETS = (  # issue #19 on a 2-core CPU: (mode, prompts, ratio, at least)
+    ("lookup", CODE_PROMPTS, "vs_plain", 1.3),
+    ("draft", CODE_PROMPTS, "vs_plain", 1.1),
+    ("lookup", CODE_PROMPTS, "vs_llama", 2.0),
+    ("draft", CODE_PROMPTS, "vs_llama", 2.0),
+    ("lookup", ("story",), "vs_plain", 0.95),
+    ("draft", ("story",), "vs_plain", 0.95),
+)
+
+
 def print_table(rows: list[dict]) -> None:
     header = ("prompt", "mode", "tokens", "tps", "vs_plain", "vs_llama", "acceptance")
     print(" | ".join(f"{h:>14}" for h in header))
     for row in rows:
         print(" | ".join(f"{str(row.get(h, '')):>14}" for h in header))
+    print("\nissue #19's targets:")
+    for mode, prompts, ratio, least in TARGETS:
+        for row in rows:
+            if row["mode"] == mode and row["prompt"] in prompts and row.get(ratio) is not None:
+                verdict = "met" if row[ratio] >= least else "NOT met"
+                print(f"  {mode:>6} {row['prompt']:>10} {ratio} {row[ratio]:.3f} "
+                      f"(>= {least}): {verdict}")  # fmt: skip
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

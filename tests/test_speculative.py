@@ -18,12 +18,22 @@ from fastrun.runner.api import Model
 from fastrun.runner.models import model_class
 from fastrun.runner.sampling import Sampler, SamplingParams
 from fastrun.runner.speculative import (
+    COST_WEIGHT,
+    MIN_SPEEDUP,
+    PROBE_WAIT_FIRST,
+    STALE_SECONDS,
+    SURPRISE_MAX,
+    WARM_UP_PASSES,
     Acceptance,
     Draft,
+    LookupDrafter,
     NgramIndex,
     PassCosts,
+    Probing,
     SpeculativeSettings,
+    Speculator,
     check_draft,
+    expected_tokens,
     plan_drafts,
 )
 
@@ -68,6 +78,33 @@ def test_greedy_speculation_equals_plain_decoding_in_mixed_batches(
     assert stats["rounds"] > 0 and stats["drafted_tokens"] > 0
     if drafter == "self":  # a model drafting for itself is always right
         assert stats["acceptance_rate"] == 1.0
+
+
+def test_one_loaded_model_switches_drafters_between_requests(tiny_model, draft_model):
+    """Model.speculate: plain, lookup and the draft from one load, each greedy output plain
+    decoding's; the draft reads the prompt in the prefill, so its passes while drafting run
+    a token or two (never the prompt); refused while a request runs, or without a draft."""
+    prompt = REPEATING + list(range(40, 60))
+    m = Model(tiny_model, backend="cpu", n_ctx=128, parallel=1, draft=draft_model)
+    settings = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    m.speculate(None)
+    expect = m.complete(prompt, **settings).tokens
+    for kind in ("lookup", "draft", "lookup+draft", None, "draft"):
+        m.speculate(kind)
+        assert m.complete(prompt, **settings).tokens == expect, kind
+    assert max(m._draft_model.costs.seen) < len(prompt)  # probes' catch-ups at most
+    stream = m.generate(prompt, max_tokens=10**6, ignore_eos=True)  # runs until closed
+    next(iter(stream))
+    with pytest.raises(FastrunError, match="no request runs"):
+        m.speculate("lookup")
+    stream.close()
+    with pytest.raises(FastrunError, match="unknown speculation"):
+        m.speculate("ngram")
+    m.close()
+    plain = Model(tiny_model, backend="cpu", n_ctx=64, parallel=1)
+    with pytest.raises(FastrunError, match="needs a draft model"):
+        plain.speculate("draft")
+    plain.close()
 
 
 def test_greedy_speculation_past_the_context_and_with_stops(tiny_model, draft_model):
@@ -171,28 +208,60 @@ def test_lookup_point_mass_and_greedy_checks():
     )
 
 
+def _costs(seconds_of) -> PassCosts:
+    costs = PassCosts()
+    for n in range(1, 17):
+        for _ in range(WARM_UP_PASSES + 1):
+            costs.record(n, seconds_of(n))
+    return costs
+
+
 def test_plans_follow_costs_and_acceptance():
-    flat, linear = PassCosts(), PassCosts()
-    for n in range(1, 41):
-        for _ in range(3):
-            flat.record(n, 0.010 + 0.0002 * n)  # a GPU: a pass of 16 costs little more
-            linear.record(n, 0.010 * n)  # a pass per token: checking never pays
-    assert plan_drafts([(0.7, 15, False)], 1, flat, None)[0] >= 6
-    assert plan_drafts([(0.7, 15, False)], 1, linear, None) == [0]
-    assert plan_drafts([(0.05, 15, False)], 1, flat, None)[0] <= 1
-    drafting = PassCosts()
-    for _ in range(3):
-        drafting.record(1, 0.010)  # a draft pass as slow as the target's: never pays
-    assert plan_drafts([(0.9, 15, True)], 1, flat, drafting) == [0]
-    assert plan_drafts([(0.9, 15, False)], 1, flat, drafting)[0] > 3  # lookup's, beside it
-    cheap = PassCosts()
-    for _ in range(3):
-        cheap.record(1, 0.001)
-    assert 3 <= plan_drafts([(0.8, 15, True)], 1, flat, cheap)[0] <= 15
+    flat = _costs(lambda n: 0.010 + 0.0002 * n)  # a GPU: a pass of 16 costs little more
+    linear = _costs(lambda n: 0.010 * n)  # a pass per token: checking never pays
+    assert plan_drafts([(0.7, 15, 0)], 1, flat, None)[0] >= 6
+    assert plan_drafts([(0.7, 15, 0)], 1, linear, None) == [0]
+    assert plan_drafts([(0.05, 15, 0)], 1, flat, None)[0] <= 1
+    drafting = _costs(lambda n: 0.010)  # a draft pass as slow as the target's: never pays
+    assert plan_drafts([(0.9, 15, 1)], 1, flat, drafting) == [0]
+    assert plan_drafts([(0.9, 15, 0)], 1, flat, drafting)[0] > 3  # lookup's, beside it
+    cheap = _costs(lambda n: 0.001 * n)
+    assert 3 <= plan_drafts([(0.8, 15, 1)], 1, flat, cheap)[0] <= 15
+    # a draft that fell far behind must first run what it missed: not worth it for one step
+    assert plan_drafts([(0.6, 15, 16)], 1, flat, _costs(lambda n: 0.003 * n)) == [0]
     # two sequences: the likelier one drafts more
-    a, b = plan_drafts([(0.9, 15, False), (0.4, 15, False)], 2, flat, None)
+    a, b = plan_drafts([(0.9, 15, 0), (0.4, 15, 0)], 2, flat, None)
     assert a > b
-    assert plan_drafts([(0.9, 8, False)], 1, PassCosts(), None) == [0]  # nothing measured yet
+    assert plan_drafts([(0.9, 8, 0)], 1, PassCosts(), None) == [0]  # nothing measured yet
+
+
+# A 2-core CPU: a pass of n tokens costs 1 + 0.15 (n - 1) decode steps, a draft step 0.37 of
+# one (Qwen2.5-Coder 0.5B drafting for 1.5B). What pays follows from these and the acceptance.
+CPU_TARGET = _costs(lambda n: 0.100 * (1 + 0.15 * (n - 1)))
+CPU_DRAFT = _costs(lambda n: 0.037 * (1 + 0.2 * (n - 1)))
+
+
+def _best_k(rate: float, target: PassCosts, draft_step: float, most: int = 15) -> int:
+    """The k of the most expected tokens per second, 0 unless it beats plain decoding by
+    MIN_SPEEDUP: the plan of one sequence, by brute force."""
+    speed = [expected_tokens(rate, k) / (target.estimate(k + 1) + k * draft_step)
+             for k in range(most + 1)]  # fmt: skip
+    k = int(np.argmax(speed))
+    return k if speed[k] > MIN_SPEEDUP * speed[0] else 0
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95])
+@pytest.mark.parametrize("costly", [False, True])
+def test_plans_choose_no_drafts_when_speculation_cannot_pay_and_the_best_k_when_it_does(
+    rate, costly
+):
+    draft_step = CPU_DRAFT.estimate(1) if costly else 0.0
+    plan = plan_drafts([(rate, 15, int(costly))], 1, CPU_TARGET, CPU_DRAFT if costly else None)
+    assert plan == [_best_k(rate, CPU_TARGET, draft_step)]
+    if costly and rate <= 0.5:  # the 0.5B's own steps cost too much for a draft this poor
+        assert plan == [0]
+    if not costly and rate >= 0.5:  # lookup is free: a draft of a few tokens pays
+        assert plan[0] >= 2
 
 
 def test_pass_costs_estimates_of_sizes_not_measured():
@@ -200,22 +269,124 @@ def test_pass_costs_estimates_of_sizes_not_measured():
     costs.record(1, 9.0)  # warm-up: not measured
     assert costs.estimate(1) is None
     costs.record(1, 1.0)
+    assert costs.estimate(2) == 1.0  # one size known: a larger one is tried once, then known
     costs.record(9, 0.0)
     costs.record(9, 3.0)
     assert costs.estimate(1) == 1.0 and costs.estimate(9) == 3.0
-    assert costs.estimate(5) == pytest.approx(max(1.0, 3.0 * 5 / 9))
-    assert costs.estimate(20) == 3.0  # no less than a smaller pass: tried once, then known
+    assert costs.estimate(5) == pytest.approx(2.0)  # on the line between 1 and 9
+    assert costs.estimate(17) == pytest.approx(5.0)  # along the slope of the two largest
+    costs.record(12, 0.0)
+    costs.record(12, 2.0)  # cheaper than 9 (noise): never less than the largest
+    assert costs.estimate(20) == 2.0
 
 
-def test_acceptance_rate_forgets_and_drifts_back():
+def test_pass_costs_follow_the_load_and_shrug_off_a_stall():
+    costs = PassCosts()
+    for n, seconds in ((1, 1.0), (4, 2.0)):
+        costs.record(n, seconds)
+        costs.record(n, seconds)
+    costs.record(1, 50.0)  # the machine stalled once
+    assert costs.estimate(1) <= SURPRISE_MAX**COST_WEIGHT
+    for _ in range(30):  # the load doubles: only passes of 4 tokens run
+        costs.record(4, 4.0)
+    assert costs.estimate(4) == pytest.approx(4.0, rel=0.05)
+    assert costs.estimate(1) > 1.5  # a size the plans avoid follows in part
+
+
+def test_stale_pass_costs_are_tried_again_and_the_load_is_shared():
+    now = [0.0]
+    costs, draft = PassCosts(clock=lambda: now[0]), PassCosts(clock=lambda: now[0])
+    costs.share_load(draft)
+    for n, seconds in ((1, 1.0), (3, 9.0)):  # 3 measured in a load spike
+        costs.record(n, seconds)
+        costs.record(n, seconds)
+    draft.record(1, 0.4)
+    draft.record(1, 0.4)
+    now[0] = STALE_SECONDS + 1
+    costs.record(1, 1.0)
+    assert costs.estimate(3) == 1.0  # stale: priced as the fresh size, so a plan tries it
+    costs.record(3, 1.5)
+    costs.record(3, 1.5)
+    assert costs.estimate(3) == pytest.approx(1.5, rel=0.1)  # a fresh start, not an average
+    for _ in range(10):  # the machine gets twice as fast
+        costs.record(1, 0.5)
+    assert draft.estimate(1) < 0.4 * 0.85  # the draft, not running, follows in part
+    assert draft.estimate(1) == draft.seconds[1]  # its own sizes are all it has: not stale
+
+
+def test_acceptance_rate_backs_off_quickly_when_drafts_collapse():
     a = Acceptance()
     assert a.rate(0.5) == 0.5
     for _ in range(20):
         a.record(drafted=4, accepted=4)
     assert a.rate(0.5) > 0.9
+    for _ in range(4):  # four passes whose first drafted token is wrong
+        a.record(drafted=4, accepted=0)
+    assert a.rate(0.5) < 0.75
+    for _ in range(8):
+        a.record(drafted=1, accepted=0)
+    assert a.rate(0.5) < 0.45
+
+
+def test_declined_drafters_are_probed_with_one_token_ever_more_rarely():
+    p = Probing()
+    due = [step for step in range(1, 301) if p.due()]
+    assert due[:3] == [PROBE_WAIT_FIRST, 3 * PROBE_WAIT_FIRST, 7 * PROBE_WAIT_FIRST]
+    assert len(due) <= 8  # 300 declined steps: a handful of probes, PROBE_WAIT_MAX apart
+    p.drafting()
+    assert [p.due() for _ in range(PROBE_WAIT_FIRST)][-1]
+
+
+def test_probes_of_a_draft_model_stay_cheap():
+    """A declined draft model falls behind by a token per step: probed while its catch-up
+    is cheap, then left off."""
+    drafter = SimpleNamespace(costs=CPU_DRAFT)
+    spec = Speculator(_AlwaysOffers(), SpeculativeSettings(), 300, CPU_TARGET)
+    spec.drafter = drafter  # only its costs matter here
+    assert spec._cheap_probe(0) and spec._cheap_probe(2)
+    assert not spec._cheap_probe(64)
+
+
+class _Request:
+    """A request as the Speculator sees it: its cache, settings and completion so far."""
+
+    def __init__(self, max_tokens=1000):
+        self.cache = SimpleNamespace(free_slots=1000, length=10, tokens=list(range(10)))
+        self.params = SimpleNamespace(max_tokens=max_tokens)
+        self.completion = SimpleNamespace(
+            tokens=[], draft_rounds=0, drafted_tokens=0, accepted_tokens=0
+        )
+        self.next_token = 3
+
+
+class _AlwaysOffers(LookupDrafter):
+    def start(self, request, state):
+        pass
+
+    def offer(self, request, state, most):
+        state.offer = Draft("lookup4", [1] * most)
+        return state.offer.label
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 1.0])
+def test_speculator_stops_drafting_when_drafts_fail_and_keeps_on_when_they_succeed(acceptance):
+    """Steps on CPU-like costs: drafts that are never right end in plain decoding with rare
+    one-token probes; drafts always right keep a long draft going."""
+    spec = Speculator(_AlwaysOffers(), SpeculativeSettings(draft_max=15), 300, CPU_TARGET)
+    request = _Request()
+    spec.start(request)
+    sizes = []
     for _ in range(200):
-        a.decline()
-    assert abs(a.rate(0.5) - 0.5) < 0.05
+        drafts = spec.drafts([request], budget=511)
+        draft = drafts.get(request)
+        sizes.append(0 if draft is None else len(draft.tokens))
+        if draft is not None:
+            spec.checked(request, draft, round(acceptance * len(draft.tokens)))
+    late = sizes[50:]
+    if acceptance == 0.0:
+        assert sum(sizes) < 25 and max(late) <= 1 and sum(late) <= 5
+    else:
+        assert min(late) >= 8
 
 
 def test_ngram_index_proposes_what_followed_the_latest_match():
