@@ -22,6 +22,7 @@ from fastrun.formats.errors import FastrunError
 from fastrun.formats.gguf import GGUFFile, TensorInfo
 from fastrun.formats.writer import UINT32, GGUFWriter, MetadataValue, TensorSpec, metadata_of
 from fastrun.quant.float_types import FLOAT_TYPES, float_rows, float_values
+from fastrun.quant.numpy_quantize import BLOCK_BYTES, quantize_blocks32
 from fastrun.quant.recipes import FileType, TypeChooser, file_type, llama_order
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of this generation
@@ -122,6 +123,12 @@ def _slab_bytes(job: TensorJob, slab: np.ndarray) -> np.ndarray:
         else:
             x = _dequantized(slab, source, rows * n_cols)
         return float_rows(x.reshape(rows, n_cols), target)
+    if target in BLOCK_BYTES:  # NumPy alone, as above; F16 is widened chunk by chunk
+        if source in FLOAT_TYPES:
+            x = float_values(slab, source, widen=source != "F16")
+        else:
+            x = _dequantized(slab, source, rows * n_cols)
+        return quantize_blocks32(x.reshape(rows, n_cols), target)
     from fastrun.quant.fast_quantize import quantize_rows, widen_f16
 
     if source == "F16":
