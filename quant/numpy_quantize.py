@@ -13,8 +13,8 @@ The places where C's semantics are subtle, kept exact here:
   by scripts/check_roundf.py); adding 0.5 itself would round 0.49999997 up.
 - the signed maximum of Q4_0/Q5_0 is the *first* value of largest magnitude, and +0.0 when all
   are zero (C only replaces on a strictly larger magnitude, starting from 0);
-- the min and max of Q4_1/Q5_1 are the first values reaching them: that matters only for the
-  sign of a zero, fixed up in the (rare) blocks whose min or max is zero.
+- the min and max of Q4_1/Q5_1 are the first values reaching them (argmin's and argmax's
+  choice): that matters only for the sign of a zero.
 """
 
 from __future__ import annotations
@@ -40,24 +40,25 @@ def _half_bytes(v: np.ndarray) -> np.ndarray:
     return v.astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
-def _signed_absmax(xb: np.ndarray) -> np.ndarray:
+def _at(xb: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """xb[i, first[i]] for every block i (first is modified)."""
+    first += np.arange(0, xb.size, 32)
+    return xb.reshape(-1)[first]
+
+
+def _signed_absmax(xb: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """Per block, the first value of largest magnitude; +0.0 where every value is zero."""
-    magnitude = xb.view(np.uint32) & np.uint32(0x7FFFFFFF)  # orders as |x| (no NaN in weights)
-    first = magnitude.argmax(axis=1)
-    mx = np.take_along_axis(xb, first[:, None], axis=1)[:, 0]
+    bits = xb.view(np.uint32)  # the magnitude's bits order as |x| (no NaN in weights)
+    magnitude = np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=scratch.view(np.uint32))
+    mx = _at(xb, magnitude.argmax(axis=1))  # NumPy's argmax is far faster than max on rows of 32
     mx[mx == 0] = 0.0  # -0.0 never replaces C's starting 0.0
     return mx
 
 
-def _first_extreme(xb: np.ndarray, reduce) -> np.ndarray:
-    """Per block, C's running min (np.minimum) or max: the value, with a zero's sign taken
-    from the first zero, as `if (v < min) min = v` keeps it."""
-    ext = reduce.reduce(xb, axis=1)
-    zero = np.flatnonzero(ext == 0)
-    if zero.size:
-        rows = xb[zero]
-        ext[zero] = np.take_along_axis(rows, (rows == 0).argmax(axis=1)[:, None], axis=1)[:, 0]
-    return ext
+def _first_min_max(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, C's running min and max (`if (v < min) min = v`): the first values reaching
+    them, which is argmin's and argmax's choice too (it matters for the sign of a zero)."""
+    return _at(xb, xb.argmin(axis=1)), _at(xb, xb.argmax(axis=1))
 
 
 def _nibbles(q: np.ndarray) -> np.ndarray:
@@ -67,58 +68,67 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
     return lo
 
 
+def _nibbles_of_levels(v: np.ndarray, out: np.ndarray) -> None:
+    """Q4's levels from v = x*id + offset (float32 [nb, 32], >= 0): C's truncating cast and
+    MIN(15, .), then j | j+16 << 4 into out [nb, 16], all in float32 (exact: small integers)
+    and cast once, fewer passes than over bytes."""
+    np.trunc(v, out=v)
+    np.minimum(v, np.float32(15), out=v)
+    packed = v[:, 16:]
+    packed *= np.float32(16)
+    packed += v[:, :16]
+    out[...] = packed
+
+
 def _fifth_bits(q: np.ndarray) -> np.ndarray:
     """Bit 4 of each of the 32 levels as Q5's little-endian 32-bit qh: 4 bytes per block."""
     return np.packbits((q >> np.uint8(4)) & np.uint8(1), axis=1, bitorder="little")
 
 
-def _q8_0(xb: np.ndarray, out: np.ndarray) -> None:
-    magnitude = np.abs(xb)
-    d = magnitude.max(axis=1) / np.float32(127)
+def _q8_0(xb: np.ndarray, out: np.ndarray, v: np.ndarray, t: np.ndarray) -> None:
+    magnitude = np.abs(xb, out=v)
+    d = _at(magnitude, magnitude.view(np.uint32).argmax(axis=1)) / np.float32(127)
     # roundf(x * id) = sign(x) * roundf(|x| * id), id >= 0: round the magnitude, then put the
     # sign bit back (cheaper than copysign), and let the cast truncate toward zero as C's does
-    v = magnitude
     v *= _inverse(d)
     v += HALF_BELOW
-    bits = v.view(np.uint32)
-    bits |= xb.view(np.uint32) & np.uint32(0x80000000)
+    sign = np.bitwise_and(xb.view(np.uint32), np.uint32(0x80000000), out=t.view(np.uint32))
+    np.bitwise_or(v.view(np.uint32), sign, out=v.view(np.uint32))
     out[:, :2] = _half_bytes(d)
     out[:, 2:] = v.astype(np.int8).view(np.uint8)
 
 
-def _symmetric(xb: np.ndarray, out: np.ndarray, half_levels: int) -> None:
+def _symmetric(xb: np.ndarray, out: np.ndarray, half_levels: int, v: np.ndarray) -> None:
     """Q4_0 (8) and Q5_0 (16): d = signed max / -half_levels; q = min(top, (int8)(x*id + h+.5))."""
-    d = _signed_absmax(xb) / np.float32(-half_levels)
-    v = xb * _inverse(d)
+    d = _signed_absmax(xb, v) / np.float32(-half_levels)
+    np.multiply(xb, _inverse(d), out=v)
     v += np.float32(half_levels + 0.5)
-    q = v.astype(np.int8).view(np.uint8)  # in [0, 2 * half_levels]: the cast truncates
-    np.minimum(q, np.uint8(2 * half_levels - 1), out=q)
     out[:, :2] = _half_bytes(d)
     if half_levels == 8:
-        out[:, 2:] = _nibbles(q)
-    else:
-        out[:, 2:6] = _fifth_bits(q)
-        out[:, 6:] = _nibbles(q)
+        _nibbles_of_levels(v, out[:, 2:])
+        return
+    q = v.astype(np.int8).view(np.uint8)  # in [0, 32]: the cast truncates
+    np.minimum(q, np.uint8(31), out=q)
+    out[:, 2:6] = _fifth_bits(q)
+    out[:, 6:] = _nibbles(q)
 
 
-def _affine(xb: np.ndarray, out: np.ndarray, levels: int) -> None:
+def _affine(xb: np.ndarray, out: np.ndarray, levels: int, v: np.ndarray) -> None:
     """Q4_1 (15, levels clamped) and Q5_1 (31, cast straight to uint8, as C does):
     d = (max - min) / levels, m = min; q = (x - min) * id + 0.5, truncated."""
-    lo = _first_extreme(xb, np.minimum)
-    hi = _first_extreme(xb, np.maximum)
+    lo, hi = _first_min_max(xb)
     d = (hi - lo) / np.float32(levels)
-    v = xb - lo[:, None]
+    np.subtract(xb, lo[:, None], out=v)
     v *= _inverse(d)
     v += np.float32(0.5)
-    q = v.astype(np.int8).view(np.uint8)
     out[:, :2] = _half_bytes(d)
     out[:, 2:4] = _half_bytes(lo)
     if levels == 15:
-        np.minimum(q, np.uint8(15), out=q)
-        out[:, 4:] = _nibbles(q)
-    else:
-        out[:, 4:8] = _fifth_bits(q)
-        out[:, 8:] = _nibbles(q)
+        _nibbles_of_levels(v, out[:, 4:])
+        return
+    q = v.astype(np.int8).view(np.uint8)
+    out[:, 4:8] = _fifth_bits(q)
+    out[:, 8:] = _nibbles(q)
 
 
 def quantize_blocks32(x: np.ndarray, name: str) -> np.ndarray:
@@ -127,19 +137,23 @@ def quantize_blocks32(x: np.ndarray, name: str) -> np.ndarray:
     n_rows = x.shape[0]
     blocks = np.ascontiguousarray(x).reshape(-1, 32)
     out = np.empty((blocks.shape[0], BLOCK_BYTES[name]), np.uint8)
-    # A few thousand blocks at a time: the temporaries stay in the core's L2 cache and are
-    # reused by the allocator, where whole-slab temporaries would be fresh pages each pass.
+    # A few thousand blocks at a time, in three scratch buffers reused by every chunk: they stay
+    # in the core's L2 cache, and no pass allocates a large temporary (fresh pages, whose
+    # faults cost more than the arithmetic, measured several times the whole pass).
+    scratch = np.empty((3, min(CHUNK_BLOCKS, blocks.shape[0]), 32), np.float32)
     for b0 in range(0, blocks.shape[0], CHUNK_BLOCKS):
-        xb = blocks[b0 : b0 + CHUNK_BLOCKS].astype(np.float32, copy=False)
+        chunk = blocks[b0 : b0 + CHUNK_BLOCKS]
+        xb, v, t = scratch[:, : chunk.shape[0]]
+        np.copyto(xb, chunk)  # float16 widened exactly
         chunk_out = out[b0 : b0 + CHUNK_BLOCKS]
         if name == "Q8_0":
-            _q8_0(xb, chunk_out)
+            _q8_0(xb, chunk_out, v, t)
         elif name == "Q4_0":
-            _symmetric(xb, chunk_out, 8)
+            _symmetric(xb, chunk_out, 8, v)
         elif name == "Q5_0":
-            _symmetric(xb, chunk_out, 16)
+            _symmetric(xb, chunk_out, 16, v)
         elif name == "Q4_1":
-            _affine(xb, chunk_out, 15)
+            _affine(xb, chunk_out, 15, v)
         else:
-            _affine(xb, chunk_out, 31)
+            _affine(xb, chunk_out, 31, v)
     return out.reshape(n_rows, -1)
