@@ -162,10 +162,22 @@ _KIND_32 = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4}
 
 
 @nb.njit(inline="always", **_JIT)
-def make_qkx2_quants(x, x0, n, nmax, w, L, l0, Laux, rmin, rdelta, nstep):
+def _levels(x, x0, n, iscale, mn, nmax, Lf):
+    """Lf[:n] = clamp(nearest_int(iscale * (x - mn)), 0, nmax), kept as float32: the values are
+    small integers, so this is C's int arithmetic exactly, in a loop without sums that LLVM
+    vectorizes (rint is the 1.5 * 2**23 trick's round half to even)."""
+    top = _f32(nmax)
+    for i in range(n):
+        Lf[i] = min(top, max(_f32(0), np.rint(iscale * (x[x0 + i] - mn))))
+
+
+@nb.njit(inline="always", **_JIT)
+def make_qkx2_quants(x, x0, n, nmax, w, L, l0, Lf, rmin, rdelta, nstep):
     """Scale and min of one sub-block x[x0:x0+n] by llama.cpp's search over candidate scales.
 
     Writes the levels into L[l0:l0+n] and returns (scale, -min); use_mad is always false here.
+    The sums keep C's order (one accumulator each, element by element): their rounding is what
+    picks the candidate.
     """
     mn = x[x0]
     mx = x[x0]
@@ -187,21 +199,20 @@ def make_qkx2_quants(x, x0, n, nmax, w, L, l0, Laux, rmin, rdelta, nstep):
         return _f32(0), -mn
     iscale = _f32(nmax) / (mx - mn)
     scale = _f32(1) / iscale
+    _levels(x, x0, n, iscale, mn, nmax, Lf)
     best_error = _f32(0)
     for i in range(n):
-        q = max(0, min(nmax, nearest_int(iscale * (x[x0 + i] - mn))))
-        L[l0 + i] = q
-        diff = scale * _f32(q) + mn - x[x0 + i]
+        L[l0 + i] = int(Lf[i])
+        diff = scale * Lf[i] + mn - x[x0 + i]
         best_error += w[i] * (diff * diff)
     for step in range(nstep + 1):
         iscale = (rmin + rdelta * _f32(step) + _f32(nmax)) / (mx - mn)
+        _levels(x, x0, n, iscale, mn, nmax, Lf)
         sum_l = _f32(0)
         sum_l2 = _f32(0)
         sum_xl = _f32(0)
         for i in range(n):
-            q = max(0, min(nmax, nearest_int(iscale * (x[x0 + i] - mn))))
-            Laux[i] = q
-            lq = _f32(q)
+            lq = Lf[i]
             sum_l += w[i] * lq
             sum_l2 += w[i] * lq * lq
             sum_xl += w[i] * lq * x[x0 + i]
@@ -214,11 +225,11 @@ def make_qkx2_quants(x, x0, n, nmax, w, L, l0, Laux, rmin, rdelta, nstep):
                 this_scale = sum_xl / sum_l2
             cur_error = _f32(0)
             for i in range(n):
-                diff = this_scale * _f32(Laux[i]) + this_min - x[x0 + i]
+                diff = this_scale * Lf[i] + this_min - x[x0 + i]
                 cur_error += w[i] * (diff * diff)
             if cur_error < best_error:
                 for i in range(n):
-                    L[l0 + i] = Laux[i]
+                    L[l0 + i] = int(Lf[i])
                 best_error = cur_error
                 scale = this_scale
                 mn = this_min
@@ -302,8 +313,19 @@ def _qk45_block(x, x0, out, o, nmax, rmin, nstep, L, Laux, w, scales, mins, sc):
 
 
 @nb.njit(inline="always", **_JIT)
-def make_qx_quants_rmse1(x, x0, n, nmax, L, l0):
-    """llama.cpp's make_qx_quants with rmse_type 1 (weights x**2) and no importance matrix."""
+def _signed_levels(x, x0, n, iscale, nmax, Lf):
+    """Lf[:n] = clamp(nearest_int(iscale * x), -nmax, nmax - 1) as float32 (see _levels)."""
+    lo = _f32(-nmax)
+    hi = _f32(nmax - 1)
+    for i in range(n):
+        Lf[i] = min(hi, max(lo, np.rint(iscale * x[x0 + i])))
+
+
+@nb.njit(inline="always", **_JIT)
+def make_qx_quants_rmse1(x, x0, n, nmax, L, l0, Lf, wv, wx):
+    """llama.cpp's make_qx_quants with rmse_type 1 (weights x**2) and no importance matrix.
+    wv and wx are scratch for the weights w = x*x and the products w*x, which C recomputes
+    in every step; the sums keep C's order (sumlx += (w*x)*l, suml2 += (w*l)*l)."""
     amax = _f32(0)
     mx = _f32(0)
     for i in range(n):
@@ -315,46 +337,44 @@ def make_qx_quants_rmse1(x, x0, n, nmax, L, l0):
         for i in range(n):
             L[l0 + i] = 0
         return _f32(0)
+    for i in range(n):
+        xi = x[x0 + i]
+        wv[i] = xi * xi
+        wx[i] = wv[i] * xi
     iscale = _f32(-nmax) / mx
+    _signed_levels(x, x0, n, iscale, nmax, Lf)
     sumlx = _f32(0)
     suml2 = _f32(0)
     for i in range(n):
-        xi = x[x0 + i]
-        q = max(-nmax, min(nmax - 1, nearest_int(iscale * xi)))
-        L[l0 + i] = q + nmax
-        w = xi * xi
-        lq = _f32(q)
-        sumlx += w * xi * lq
-        suml2 += w * lq * lq
+        L[l0 + i] = int(Lf[i]) + nmax
+        sumlx += wx[i] * Lf[i]
+        suml2 += wv[i] * Lf[i] * Lf[i]
     scale = sumlx / suml2 if suml2 != 0 else _f32(0)
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
         iscale = -(_f32(nmax) + _f32(0.1) * _f32(step)) / mx
+        _signed_levels(x, x0, n, iscale, nmax, Lf)
         sumlx = _f32(0)
         suml2 = _f32(0)
         for i in range(n):
-            xi = x[x0 + i]
-            lq = _f32(max(-nmax, min(nmax - 1, nearest_int(iscale * xi))))
-            w = xi * xi
-            sumlx += w * xi * lq
-            suml2 += w * lq * lq
+            sumlx += wx[i] * Lf[i]
+            suml2 += wv[i] * Lf[i] * Lf[i]
         if suml2 > 0 and sumlx * sumlx > best * suml2:
             for i in range(n):
-                q = max(-nmax, min(nmax - 1, nearest_int(iscale * x[x0 + i])))
-                L[l0 + i] = q + nmax
+                L[l0 + i] = int(Lf[i]) + nmax
             scale = sumlx / suml2
             best = scale * sumlx
     return scale
 
 
 @nb.njit(inline="always", **_JIT)
-def _q6_k_block(x, x0, out, o, L, scales):
+def _q6_k_block(x, x0, out, o, L, scales, Lf, wv, wx):
     max_scale = _f32(0)
     max_abs_scale = _f32(0)
     for ib in range(16):
-        s = make_qx_quants_rmse1(x, x0 + 16 * ib, 16, 32, L, 16 * ib)
+        s = make_qx_quants_rmse1(x, x0 + 16 * ib, 16, 32, L, 16 * ib, Lf, wv, wx)
         scales[ib] = s
         if abs(s) > max_abs_scale:
             max_abs_scale = abs(s)
@@ -395,8 +415,9 @@ def _quantize_k(x, out, kind):
     """Rows of x [n_rows, n] into K-quant blocks; kind 0 = Q4_K, 1 = Q5_K, 2 = Q6_K."""
     n_rows, n = x.shape
     L = np.zeros(256, np.int32)  # scratch, reused by every block
-    Laux = np.zeros(32, np.int32)
+    Laux = np.zeros(32, np.float32)
     w = np.zeros(32, np.float32)
+    wx = np.zeros(32, np.float32)
     scales = np.zeros(16, np.float32)
     mins = np.zeros(8, np.float32)
     sc = np.zeros(12, np.int32)
@@ -413,7 +434,7 @@ def _quantize_k(x, out, kind):
                     xr, 256 * b, orow, 176 * b, 31, _f32(-0.5), 15, L, Laux, w, scales, mins, sc
                 )
             else:
-                _q6_k_block(xr, 256 * b, orow, 210 * b, L, scales)
+                _q6_k_block(xr, 256 * b, orow, 210 * b, L, scales, Laux, w, wx)
 
 
 _KIND_K = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}

@@ -2,9 +2,8 @@
 
 A conversion to a float type needs no compiled kernel, so a `fastrun quantize --type F16` run
 (or BF16, F32) never imports Numba or loads cached kernels, which on a small model costs more
-than the conversion itself. Block formats stay with quant/fast_quantize.py: NumPy versions of
-even Q8_0 and Q4_0, byte-identical, measured three times slower than the Numba kernels per
-slab, more than Numba's start costs on a 135M model.
+than the conversion itself. The 32-blocks (Q8_0, Q4_0, ...) are NumPy too (quant/numpy_quantize.py);
+only the K-quants' searches need quant/fast_quantize.py's Numba kernels.
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ is in memory at a time. Tensors that keep their type are copied byte for byte.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,10 +23,14 @@ from fastrun.formats.errors import FastrunError
 from fastrun.formats.gguf import GGUFFile, TensorInfo
 from fastrun.formats.writer import UINT32, GGUFWriter, MetadataValue, TensorSpec, metadata_of
 from fastrun.quant.float_types import FLOAT_TYPES, float_rows, float_values
+from fastrun.quant.formats import block_format
+from fastrun.quant.numpy_quantize import BLOCK_BYTES, quantize_blocks32
 from fastrun.quant.recipes import FileType, TypeChooser, file_type, llama_order
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of this generation
 SLAB_VALUES = 1 << 20  # floats per unit of work (4 MiB): fine enough to spread over threads
+WINDOW_SLABS = 16  # slabs converted ahead of the one written next (at most 64 MiB of output)
+WARM_SWITCH_INTERVAL = 2e-4  # seconds; Python's default is 5 ms
 
 
 @dataclass
@@ -122,6 +127,12 @@ def _slab_bytes(job: TensorJob, slab: np.ndarray) -> np.ndarray:
         else:
             x = _dequantized(slab, source, rows * n_cols)
         return float_rows(x.reshape(rows, n_cols), target)
+    if target in BLOCK_BYTES:  # NumPy alone, as above; F16 is widened chunk by chunk
+        if source in FLOAT_TYPES:
+            x = float_values(slab, source, widen=source != "F16")
+        else:
+            x = _dequantized(slab, source, rows * n_cols)
+        return quantize_blocks32(x.reshape(rows, n_cols), target)
     from fastrun.quant.fast_quantize import quantize_rows, widen_f16
 
     if source == "F16":
@@ -143,14 +154,76 @@ def _slabs(src, jobs: list[TensorJob]):
             yield job, data[r0 : r0 + step]
 
 
+def _needs_numba(job: TensorJob) -> bool:
+    """Whether a job's slabs run Numba kernels (K-quant searches, dequantizing a block type)."""
+    if not job.converts:
+        return False
+    return job.target.format.name not in (*FLOAT_TYPES, *BLOCK_BYTES) or (
+        job.source.format.name not in FLOAT_TYPES
+    )
+
+
+def _warm_numba(jobs: list[TensorJob]) -> None:
+    """Import Numba and load the cached kernels the jobs will call, on a side thread while the
+    workers convert the tensors NumPy does alone. Both are mostly Python holding the GIL, so the
+    interval at which waiting threads get it back is shortened meanwhile: a worker needs it for a
+    moment between NumPy calls that run without it."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(WARM_SWITCH_INTERVAL)
+    try:
+        from fastrun.quant.fast_quantize import quantize_rows, widen_f16
+
+        widen_f16(np.zeros(2, np.uint8))
+        for name in {j.target.format.name for j in jobs if _needs_numba(j)} - set(BLOCK_BYTES):
+            if name not in FLOAT_TYPES:
+                n = block_format(name).block_size
+                quantize_rows(np.zeros((1, n), np.float32), name)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _after(ready: Future | None, pool: ThreadPoolExecutor, fn, *args) -> Future:
+    """fn(*args) on the pool once `ready` is done, without holding a worker while waiting."""
+    if ready is None or ready.done():
+        return pool.submit(fn, *args)
+    result: Future = Future()
+
+    def start(_) -> None:
+        if result.cancelled():
+            return
+        try:
+            inner = pool.submit(fn, *args)
+        except RuntimeError as e:  # the pool shut down meanwhile (an error elsewhere)
+            result.set_exception(e)
+            return
+        inner.add_done_callback(lambda f: _pass_on(f, result))
+
+    ready.add_done_callback(start)
+    return result
+
+
+def _pass_on(done: Future, to: Future) -> None:
+    if to.cancelled():
+        return
+    if done.exception() is not None:
+        to.set_exception(done.exception())
+    else:
+        to.set_result(done.result())
+
+
 def _convert_all(src, jobs: list[TensorJob], writer: GGUFWriter, threads: int, advance):
-    """Convert slabs on `threads` workers, a bounded window ahead, and write them in order."""
+    """Convert slabs on `threads` workers, a bounded window ahead, and write them in order.
+    Slabs that need Numba wait for it to load (on a side thread) without holding a worker, so
+    the window runs ahead on the NumPy tensors meanwhile."""
     window: deque = deque()
+    warm = ThreadPoolExecutor(max_workers=1) if any(_needs_numba(j) for j in jobs) else None
+    numba_ready = warm.submit(_warm_numba, jobs) if warm is not None else None
     with ThreadPoolExecutor(max_workers=threads) as pool:
         try:
             for job, slab in _slabs(src, jobs):
-                window.append((job, pool.submit(_slab_bytes, job, slab)))
-                if len(window) >= 2 * threads:
+                ready = numba_ready if _needs_numba(job) else None
+                window.append((job, _after(ready, pool, _slab_bytes, job, slab)))
+                if len(window) >= max(2 * threads, WINDOW_SLABS):
                     _write_done(window.popleft(), writer, advance)
             while window:
                 _write_done(window.popleft(), writer, advance)
@@ -158,6 +231,9 @@ def _convert_all(src, jobs: list[TensorJob], writer: GGUFWriter, threads: int, a
             for _, future in window:
                 future.cancel()
             raise
+        finally:
+            if warm is not None:
+                warm.shutdown(wait=False)
 
 
 def _write_done(item, writer: GGUFWriter, advance) -> None:

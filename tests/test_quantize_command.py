@@ -14,6 +14,7 @@ from helpers import write_tiny_model
 
 from fastrun.formats import GGUFFile
 from fastrun.quant.fast_quantize import quantize_rows
+from fastrun.quant.numpy_quantize import BLOCK_BYTES, HALF_BELOW, quantize_blocks32
 from fastrun.quant.reference import dequantize_ref, quantize_ref
 from fastrun.runner.cli import main
 
@@ -41,6 +42,47 @@ def test_fast_quantizer_matches_reference(qtype):
     assert np.array_equal(fast, ref)
     err = np.abs(dequantize_ref(fast, qtype, x.size).reshape(x.shape) - x).mean()
     assert err < 0.1 * np.abs(x).mean()
+
+
+@pytest.mark.parametrize("qtype", BLOCK_BYTES)
+def test_numpy_quantizer_matches_numba(qtype):
+    """The NumPy path of the 32-blocks is the Numba kernels' bytes (they are llama.cpp's), from
+    float32 and from float16, on awkward rows plus ties and signed zeros."""
+    rng = np.random.default_rng(1)
+    x = _awkward_rows(rng)
+    x[6] = np.round(x[6] * 4) / 4  # many values of equal magnitude and opposite signs
+    x[7, :32] = np.where(rng.random(32) < 0.5, -0.0, 0.0)  # a block of signed zeros...
+    x[7, 31] = 1  # ...whose min is a zero
+    x[8, :32] = np.where(rng.random(32) < 0.5, -0.0, 0.0)
+    x[8, 0] = -1  # ...whose max is a zero
+    x[9, :32] = -0.0
+    assert np.array_equal(quantize_blocks32(x, qtype), quantize_rows(x, qtype))
+    h = x.astype(np.float16)
+    assert np.array_equal(quantize_blocks32(h, qtype), quantize_rows(h.astype(np.float32), qtype))
+
+
+def test_numpy_roundf_is_half_away_from_zero():
+    """trunc(v + HALF_BELOW) is C's roundf at and around every tie up to 128 (the whole range
+    of float32 is checked by scripts/check_roundf.py)."""
+    ties = np.arange(256, dtype=np.float32) / 2
+    v = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 200)])
+    v = np.concatenate([v, -v, [np.nextafter(np.float32(0.5), 0)]]).astype(np.float32)
+    exact = np.sign(v) * np.floor(np.abs(v).astype(np.float64) + 0.5)
+    assert np.array_equal(np.trunc(v + np.copysign(HALF_BELOW, v)), exact)
+
+
+def test_plain_types_import_no_numba(f32_model, tmp_path):
+    """Q8_0 and the other 32-blocks from a float model run on NumPy alone: no Numba import."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from fastrun.runner.cli import main
+        assert main(["quantize", {str(f32_model)!r}, {str(tmp_path / "q.gguf")!r},
+                     "--type", "Q8_0"]) == 0
+        assert "numba" not in sys.modules, "numba imported"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_float_types():
@@ -145,13 +187,13 @@ def test_ctrl_c_leaves_nothing(f32_model, tmp_path):
     out = tmp_path / "out.gguf"
     script = textwrap.dedent(f"""
         import sys, time
-        import fastrun.quant.fast_quantize as fq
-        real = fq.quantize_rows
+        import fastrun.quant.pipeline as pipeline
+        real = pipeline.quantize_blocks32  # Q8_0's quantizer
         def slow(x, t):
             print("started", flush=True)
             time.sleep(0.5)
             return real(x, t)
-        fq.quantize_rows = slow
+        pipeline.quantize_blocks32 = slow
         from fastrun.runner.cli import main
         sys.exit(main(["quantize", {str(f32_model)!r}, {str(out)!r}, "--type", "Q8_0", "-t", "1"]))
     """)
