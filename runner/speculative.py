@@ -464,7 +464,7 @@ class ModelDrafter:
         todo = {}
         for request in requests:
             cache = self._cache(request)
-            cache.trim(min(cache.common_prefix(request.prompt), len(request.prompt)))
+            cache.trim(cache.reusable_prefix(request.prompt, len(request.prompt)))
             todo[request] = (None, 0, request.prompt[cache.length :], None)
         self._catch_up(todo, leave=0)
 
