@@ -419,7 +419,7 @@ def part_verify() -> None:
         out[label] = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     results["verify"] = out
     for label, rows in out.items():
-        log(f"verify {label}: " + " ".join(f"{r['tokens']}:{r['vs_decode_step']}" for r in rows))
+        log(f"verify {label}: " + " ".join(f"{r['tokens']}:{r['vs_1_tokens']}" for r in rows))
 
 
 def part_tg() -> None:

@@ -87,7 +87,10 @@ def test_cuda_logits_match_cpu_on_real_shapes(tmp_path, shape, qtype):
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 256, 40)]
     kl = compare_with_cpu(path, prompt, 12)
     print(f"{shape} {qtype}: mean KL(cpu || cuda) = {kl:.2e}")
-    assert kl <= 1e-3
+    # 2e-3: the CPU rounds the softmax's probabilities to fp16 as llama.cpp's CPU graph does,
+    # CUDA's one-pass softmax keeps them in float (measured 1.3e-3 and 1.5e-3 for SmolLM2's
+    # shape, 2026-12-02; CUDA's own fidelity to llama.cpp is unchanged: KL 0.0029 / 0.0035)
+    assert kl <= 2e-3
 
 
 def test_graph_replay_matches_eager(tmp_path):
@@ -115,18 +118,19 @@ def test_graph_replay_matches_eager(tmp_path):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_few_token_products_equal_each_token_alone(qtype):
-    """Products of 2..16 tokens (matvec_tile) give each token, bit for bit, what the
+    """Products of 2..SMALL_BATCH tokens (matvec_tile) give each token, bit for bit, what the
     one-token matvec gives it alone: speculation's checking passes and small batches compute
     the numbers plain decoding does."""
     from helpers import random_blocks
 
     from fastrun.backends import get_backend
+    from fastrun.backends.cuda.backend import SMALL_BATCH
 
     backend = get_backend("cuda")
     rng = np.random.default_rng(3)
     raw = random_blocks(qtype, 200, 3328, rng)  # rows: no multiple of a block's
     w = backend.load_weight(raw, qtype, 200, 3328)
-    for n in (2, 3, 5, 8, 9, 16):
+    for n in [n for n in (2, 3, 4, 5, 8, 9, 16) if n <= SMALL_BATCH]:
         x = rng.standard_normal((n, 3328)).astype(np.float32)
         together = backend.to_host(
             backend.matmul(backend.load_vector(x.reshape(-1)).reshape(n, -1), w)
@@ -163,7 +167,8 @@ def test_engine_sequences_equal_their_solo_runs(tmp_path):
         for piece, token in zip(pieces, stream.completion.tokens, strict=True):
             if piece.id != token:
                 (_, best), (_, second) = piece.top_logprobs
-                assert best - second < 0.05, f"not a near tie: {best - second:.3f}"
+                # 0.1, as compare_with_cpu: a departure at a margin of 0.054 was measured
+                assert best - second < 0.1, f"not a near tie: {best - second:.3f}"
                 break
             agree += 1
     print(f"{agree} of {sum(map(len, expect))} tokens equal their solo run's")
@@ -185,9 +190,11 @@ def test_context_shift_on_the_gpu(tmp_path):
 
 # A 10-token prompt leaves 16 of the 17 compared positions to short-context decode steps,
 # where the two backends' float sums (attention, per-group scales) differ most: measured mean
-# KL 3.5e-3 there, 2.2e-4 after 200 tokens (2026-11-29). Both backends sit as close to
-# llama.cpp as each other (test_fidelity on CUDA: KL 0.0029 / 0.0035; CPU 0.0034 / 0.0032).
-@pytest.mark.parametrize("n_prompt, bound", [(10, 5e-3), (200, 1e-3)])
+# KL 3.5e-3 there, 2.2e-4 after 200 tokens (2026-11-29); 5.2e-3 and 2.9e-4 since the CPU
+# rounds the softmax's probabilities to fp16 as llama.cpp does (2026-12-02). Both backends
+# sit as close to llama.cpp as each other (test_fidelity on CUDA: KL 0.0029 / 0.0035; CPU
+# 0.0031 / 0.0033).
+@pytest.mark.parametrize("n_prompt, bound", [(10, 7e-3), (200, 1e-3)])
 def test_real_smollm2_matches_cpu(smollm2_path, n_prompt, bound):
     from fastrun.runner.tokenizer import Tokenizer
 

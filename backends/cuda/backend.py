@@ -37,8 +37,10 @@ MATVEC_BATCH = int(os.environ.get("FASTRUN_MATVEC_BATCH", "4"))
 # Products of 2..SMALL_BATCH tokens (checking passes of speculation, small batches) take
 # matvec_tile (matmul.cu): each weight read once for all of them, the results bit-identical
 # per token to the one-token matvec's. 0 turns it off: then the dp4a matvec up to
-# MATVEC_BATCH tokens, the tensor-core kernel above, as before.
-SMALL_BATCH = int(os.environ.get("FASTRUN_SMALL_BATCH", "16"))
+# MATVEC_BATCH tokens, the tensor-core kernel above, as before. 4 by default: measured on the
+# H200 (scripts/gpu_kernel_check.py, 2026-12-02), matvec_tile wins at 2-4 tokens and the
+# tensor-core kernel from 5 (at 16 tokens it gives 3982 tok/s of batched decode, matvec_tile 1707).
+SMALL_BATCH = int(os.environ.get("FASTRUN_SMALL_BATCH", "4"))
 # its shapes, "tokens a block:rows a warp:groups in flight a lane[:warps a block]" for each
 # bucket of tokens (a product of n tokens takes the first that holds n, or blocks of the
 # last), the warps a block where a shape names none, and the most bytes of a block's
