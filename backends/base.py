@@ -175,12 +175,13 @@ class Backend(ABC):
         self.kv_write(k_cache, v_cache, k, v.reshape(n, -1, hd), slots)
         return q
 
-    def layer_stack(self, layers, eps: float, block):
+    def layer_stack(self, layers, eps: float, block, source: str | None = None):
         """All transformer blocks (the model's Layer objects, computing as block: BlockSpec
         describes) as one callable, stack(x, k_cache, v_cache, positions, slots, starts) -> x
         with the caches as [n_layer, rows, hk, hd], doing the arithmetic of the steps above;
         None where this backend has none for these weights (the model then calls the steps
-        block by block)."""
+        block by block). source: the path of the file the weights are views of, if any (a
+        backend may keep what it derives from them on disk, keyed by it)."""
         return None
 
     # -- whole decode steps -------------------------------------------------------------------
