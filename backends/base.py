@@ -175,13 +175,14 @@ class Backend(ABC):
         self.kv_write(k_cache, v_cache, k, v.reshape(n, -1, hd), slots)
         return q
 
-    def layer_stack(self, layers, eps: float, block, source: str | None = None):
+    def layer_stack(self, layers, eps: float, block, source: str | None = None, head=None):
         """All transformer blocks (the model's Layer objects, computing as block: BlockSpec
         describes) as one callable, stack(x, k_cache, v_cache, positions, slots, starts) -> x
         with the caches as [n_layer, rows, hk, hd], doing the arithmetic of the steps above;
         None where this backend has none for these weights (the model then calls the steps
         block by block). source: the path of the file the weights are views of, if any (a
-        backend may keep what it derives from them on disk, keyed by it)."""
+        backend may keep what it derives from them on disk, keyed by it); head: the weight
+        multiplied after the blocks (the output), which a backend may prepare with them."""
         return None
 
     # -- whole decode steps -------------------------------------------------------------------

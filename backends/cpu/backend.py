@@ -167,10 +167,10 @@ class CPUBackend(Backend):
             np.ascontiguousarray(factors, np.float32),
         )
 
-    def layer_stack(self, layers, eps, block, source=None):
+    def layer_stack(self, layers, eps, block, source=None, head=None):
         if not stack.supported(layers, block):
             return None
-        return stack.CompiledBlocks(layers, eps, block, source)
+        return stack.CompiledBlocks(layers, eps, block, source, head)
 
     def embed(self, w, ids):
         rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])

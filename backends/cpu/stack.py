@@ -19,7 +19,7 @@ from fastrun.backends.block import GELU_TANH
 from fastrun.backends.cpu import ops
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.fused import norm_qmatmul_many, rope_kv
-from fastrun.backends.cpu.matmul import qmatmul
+from fastrun.backends.cpu.matmul import FORMATS, qmatmul
 from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer, root_array
 
 drop_stale_cache(
@@ -144,10 +144,12 @@ class CompiledBlocks:
     """stack(x, k_cache, v_cache, positions, slots, starts) -> x for one model's layers
     (which `supported` accepts), computing as their BlockSpec describes."""
 
-    def __init__(self, layers, eps: float, block, source: str | None = None):
+    def __init__(self, layers, eps: float, block, source: str | None = None, head=None):
         ws = [getattr(layer, name) for layer in layers for name in MATRICES]
-        # repacked (or from the tile cache, source the model file), as one array
-        self.file, self.where = kernel_bytes_in_one_buffer(ws, source)
+        # repacked (or from the tile cache, source the model file), as one array; the head's
+        # tiles after the layers' (the stack does not read them: one cache file for both)
+        with_head = ws + ([head] if head is not None and head.qtype in FORMATS else [])
+        self.file, self.where = kernel_bytes_in_one_buffer(with_head, source)
         self.kernels = np.array([w.kernel for w in ws], np.int64).reshape(len(layers), 7)
         products = [(layer.wq, layer.wo, layer.w_gate, layer.w_down) for layer in layers]
         self.block_sizes = np.array([[w.format.block_size for w in p] for p in products], np.int64)

@@ -57,10 +57,9 @@ class CPUWeight(Weight):
     def adopt_kernel_bytes(self, packed: np.ndarray) -> bool:
         """Use tiles repacked before (read-only uint8 of kernel_shape, from the tile cache)
         if its first and last tiles are what repacking gives now; whether they were."""
-        rows = self.raw.shape[0]
-        for first in sorted({0, rows - tiles.TILE_ROWS}):
-            fresh = tiles.repack(self.raw[first : first + tiles.TILE_ROWS], self.qtype)
-            if not np.array_equal(fresh[0], packed[first // tiles.TILE_ROWS]):
+        for tile in sorted({0, (self.raw.shape[0] - 1) // tiles.TILE_ROWS}):
+            rows = self.raw[tile * tiles.TILE_ROWS : (tile + 1) * tiles.TILE_ROWS]
+            if not np.array_equal(tiles.repack(rows, self.qtype)[0], packed[tile]):
                 return False
         self._kernel_bytes = packed
         return True
