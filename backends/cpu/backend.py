@@ -65,7 +65,8 @@ class CPUBackend(Backend):
         self._groups: dict[tuple[int, ...], _Group] = {}
         most = max(1, min(threads or physical_cores(), numba.config.NUMBA_NUM_THREADS))
         self.threads = most
-        self.thread_policy = FixedThreads(most) if threads else AdaptiveThreads(most)
+        adaptive = not threads and most > 1  # one core: nothing to choose
+        self.thread_policy = AdaptiveThreads(most) if adaptive else FixedThreads(most)
         self.use_on_this_thread()
 
     def use_on_this_thread(self):
