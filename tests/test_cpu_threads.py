@@ -108,3 +108,16 @@ def test_the_backend_consults_its_policy_for_decode_steps(threads, expect):
     assert out.tolist() == [2, 2, 2]
     assert seen == [((1, 0), 1, 1)]
     assert numba.get_num_threads() == backend.threads  # other passes: every thread
+
+
+def test_threads_reach_the_cpu_backend_through_auto(tiny_model):
+    from fastrun.backends.cuda import cuda_available
+    from fastrun.runner.api import Model
+
+    if cuda_available():
+        pytest.skip("auto picks the GPU here")
+    model = Model(tiny_model, backend="auto", threads=1, n_ctx=32)
+    try:
+        assert isinstance(model.backend.thread_policy, FixedThreads)
+    finally:
+        model.close()
