@@ -82,6 +82,7 @@ def steady(args, busy: bool) -> None:
         for name, (fn, model, threads) in runs.items():
             with spinner(busy):
                 rates[name].append(fn(model, args.n, args.reps, threads))
+            print(f"{name}: {rates[name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     median = {name: statistics.median(v) for name, v in rates.items()}
     load = "one core busy (spinner)" if busy else "no spinner"
     print(f"{args.model}, tg{args.n}, {load}, load average before: {args.load_before}")
