@@ -48,7 +48,7 @@ class AdaptiveSettings:
     before it starts a probe at once. give_up: a probed count whose step took this many times
     the current count's median runs no more rounds (a probe costs what its losers lose)."""
 
-    first_probe: float = 0.3
+    first_probe: float = 0.1  # a fresh process under load learns within a few steps
     longest_interval: float = 3.0
     rounds: int = 2
     margin: float = 0.05
