@@ -40,15 +40,17 @@ class FixedThreads:
 
 @dataclass(frozen=True)
 class AdaptiveSettings:
-    """first_probe: seconds of decode (of one step size) before the first probe; probes then
-    come after intervals that double while they confirm the current count, up to
-    longest_interval (back to first_probe after a switch or a slowdown). rounds: steps per
-    candidate in a probe, interleaved. margin: how much faster (as a fraction) another count
-    must be to switch. slowdown: the current count's recent steps this many times slower than
-    before it starts a probe at once. give_up: a probed count whose step took this many times
-    the current count's median runs no more rounds (a probe costs what its losers lose)."""
+    """first_probe: seconds of decode (of one step size) before the first probe; probes
+    then come after intervals that double while they confirm the current count, up to
+    longest_interval (back to after_switch after a switch, first_probe after a slowdown).
+    rounds: steps per candidate in a probe, interleaved. margin: how much faster (as a
+    fraction) another count must be to switch. slowdown: the current count's recent steps
+    this many times slower than before it starts a probe at once. give_up: a probed count
+    whose step took this many times the current count's median runs no more rounds (a
+    probe costs what its losers lose)."""
 
     first_probe: float = 0.1  # a fresh process under load learns within a few steps
+    after_switch: float = 0.5  # the interval a switch restarts from (a probe costs steps)
     longest_interval: float = 3.0
     rounds: int = 2
     margin: float = 0.05
@@ -156,7 +158,7 @@ class AdaptiveThreads:
         best = min(mean, key=mean.get)
         if mean[best] < mean[state.current] * (1 - self.settings.margin):
             state.current = best
-            state.interval = self.settings.first_probe
+            state.interval = self.settings.after_switch
         else:
             state.interval = min(2 * state.interval, self.settings.longest_interval)
         state.times.clear()
