@@ -9,11 +9,14 @@ __all__ = ["Backend", "RopeConfig", "Weight", "get_backend"]
 
 
 def get_backend(name: str = "cpu", **options) -> Backend:
-    """A backend by name: cpu, reference, cuda, or auto (CUDA when CuPy finds a GPU)."""
+    """A backend by name: cpu, reference, cuda, or auto (CUDA when CuPy finds a GPU; the CPU's
+    options, such as threads, then apply only if it is the CPU)."""
     if name == "auto":
         from fastrun.backends.cuda import cuda_available
 
         name = "cuda" if cuda_available() else "cpu"
+        if name == "cuda":
+            options.pop("threads", None)
     if name == "cpu":
         from fastrun.backends.cpu import CPUBackend
 

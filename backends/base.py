@@ -188,7 +188,7 @@ class Backend(ABC):
         self.kv_write(k_cache, v_cache, k, v.reshape(n, -1, hd), slots)
         return q
 
-    def layer_stack(self, layers, eps: float, block):
+    def layer_stack(self, layers, eps: float, block, source: str | None = None, head=None):
         """All transformer blocks (the model's Layer objects, computing as block: BlockSpec
         describes) as one callable, stack(x, positions, placement, full, ring) -> x, doing
         the arithmetic of the steps above; None where this backend has none for these
@@ -196,7 +196,9 @@ class Backend(ABC):
         (k_cache, v_cache, slots, starts) of the full-context layers, ring = (k_cache,
         v_cache, slots, starts, offsets, R) of the ring layers (runner/kv_cache.py), caches
         as [layers, rows, hk, hd]; placement int64 [n_layer, 2]: each layer's (in the ring,
-        index in its storage)."""
+        index in its storage). source: the path of the file the weights are views of, if any
+        (a backend may keep what it derives from them on disk, keyed by it); head: the weight
+        multiplied after the blocks (the output), which a backend may prepare with them."""
         return None
 
     # -- whole decode steps -------------------------------------------------------------------

@@ -76,7 +76,7 @@ class Model:
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         self.tokenizer = Tokenizer.from_gguf(self.file)
-        options = {"threads": threads} if backend == "cpu" and threads else {}
+        options = {"threads": threads} if backend in ("cpu", "auto") and threads else {}
         self.backend = get_backend(backend, **options)
         self.transformer = model_class(self.file.architecture)(self.file, self.backend, progress)
         self.config = self.transformer.config

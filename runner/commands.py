@@ -348,14 +348,12 @@ def bench(
         _print_parallel(m, model, run_parallel_bench(m, counts, n_prompt, n_gen, reps), as_json)
         return
     rows = run_bench(m, n_prompt, n_gen, reps)
-    import numba
-
     info = {
         "model": m.file.get("general.name") or model,
         "size_mb": round(m.file.size / 1e6, 1),
         "params_m": round(sum(t.n_elements for t in m.file.tensors.values()) / 1e6, 1),
         "backend": m.backend.name,
-        "threads": numba.get_num_threads() if m.backend.name == "cpu" else None,
+        "threads": m.backend.thread_policy.describe() if m.backend.name == "cpu" else None,
     }
     if as_json:
         sys.stdout.write(json.dumps({**info, "results": rows}) + "\n")

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Time from `fastrun run` to the first token, cold (empty kernel cache) and warm, and the peak
-resident memory of a run, against the model file's size.
+"""Time from `fastrun run` to the first token, cold (empty kernel and tile caches), warm (both
+filled) and warm without the tile cache (repacking at every load), and the peak resident
+memory of a run, against the model file's size. The process's CPU seconds beside each wall
+time say how much of it was waiting on a busy machine.
 
     python scripts/startup_and_memory.py smollm2-135m-instruct [qwen2.5-coder-1.5b-instruct ...]
 """
@@ -13,36 +15,49 @@ import sys
 import tempfile
 
 
-def timed_run(model: str, cache_dir: str, n: int = 1, ctx: int = 512) -> tuple[float, float]:
-    """(seconds, peak RSS in MB) of one `fastrun run` process generating n tokens."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+def timed_run(
+    model: str, cache_dir: str, tile_dir: str, n: int = 1, ctx: int = 512
+) -> tuple[float, float, float]:
+    """(seconds, CPU seconds, peak RSS in MB) of one `fastrun run` process generating n
+    tokens; tile_dir "off": no tile cache."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, FASTRUN_TILE_CACHE=tile_dir)
     code = (
         "import resource, subprocess, sys, time;"
         "t = time.perf_counter();"
         f"subprocess.run([sys.executable, '-m', 'fastrun.runner.cli', 'run', {model!r}, 'Hello',"
         f" '-n', '{n}', '-c', '{ctx}', '--temp', '0'], check=True, capture_output=True);"
         "dt = time.perf_counter() - t;"
-        "print(dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
+        "r = resource.getrusage(resource.RUSAGE_CHILDREN);"
+        "print(dt, r.ru_utime + r.ru_stime, r.ru_maxrss / 1024)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
     )
-    seconds, rss = out.stdout.split()
-    return float(seconds), float(rss)
+    seconds, cpu, rss = out.stdout.split()
+    return float(seconds), float(cpu), float(rss)
 
 
 def main() -> None:
     from fastrun.runner.registry import resolve_model
 
-    print("| model | file MB | cold first token s | warm first token s | peak RSS MB |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| model | file MB | cold first token s (CPU s) | warm (CPU s) | warm, no tile cache "
+        "(CPU s) | peak RSS MB | peak RSS MB, no tile cache |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for model in sys.argv[1:] or ["smollm2-135m-instruct"]:
         size = os.path.getsize(resolve_model(model)) / 1e6
-        with tempfile.TemporaryDirectory() as cache:
-            cold, _ = timed_run(model, cache)
-            warm = min(timed_run(model, cache)[0] for _ in range(3))
-            _, rss = timed_run(model, cache, n=64)
-        print(f"| {model} | {size:.0f} | {cold:.1f} | {warm:.2f} | {rss:.0f} |", flush=True)
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as tiles:
+            cold = timed_run(model, cache, tiles)
+            warm = min(timed_run(model, cache, tiles) for _ in range(3))
+            untiled = min(timed_run(model, cache, "off") for _ in range(3))
+            rss = timed_run(model, cache, tiles, n=64)[2]
+            rss_untiled = timed_run(model, cache, "off", n=64)[2]
+        cells = [f"{s:.2f} ({c:.2f})" for s, c, _ in (cold, warm, untiled)]
+        print(
+            f"| {model} | {size:.0f} | {' | '.join(cells)} | {rss:.0f} | {rss_untiled:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

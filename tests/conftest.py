@@ -1,9 +1,14 @@
 """Shared fixtures: real models from models.toml and tiny synthetic GGUF files."""
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 from helpers import real_model, write_tiny_model
+
+# the CPU backend's tile cache (backends/cpu/tile_cache.py) of the tests' models, not the user's
+os.environ.setdefault("FASTRUN_TILE_CACHE", tempfile.mkdtemp(prefix="fastrun-tiles-"))
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import numba
 import numpy as np
 
 from fastrun.backends import block
 from fastrun.backends.base import Backend, RopeConfig
 from fastrun.backends.cpu import fused, matmul, ops, stack
+from fastrun.backends.cpu.threads import AdaptiveThreads, FixedThreads
 from fastrun.backends.cpu.weights import CPUWeight
 from fastrun.quant import dequantize
 
@@ -50,7 +53,9 @@ class _Group:
 
 class CPUBackend(Backend):
     """Numba kernels. Threads: OpenMP is preferred among Numba's threading layers for its
-    lower cost per parallel region (about 3 us measured); TBB, then workqueue, otherwise."""
+    lower cost per parallel region (about 3 us measured); TBB, then workqueue, otherwise.
+    threads=N runs everything on N threads; None: passes on every physical core, decode
+    steps on as many as are free (threads.AdaptiveThreads measures it)."""
 
     name = "cpu"
     features = frozenset(block.FEATURES)
@@ -58,12 +63,27 @@ class CPUBackend(Backend):
     def __init__(self, threads: int | None = None):
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
         self._groups: dict[tuple[int, ...], _Group] = {}
-        threads = threads or physical_cores()
-        self.threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+        most = max(1, min(threads or physical_cores(), numba.config.NUMBA_NUM_THREADS))
+        self.threads = most
+        adaptive = not threads and most > 1  # one core: nothing to choose
+        self.thread_policy = AdaptiveThreads(most) if adaptive else FixedThreads(most)
         self.use_on_this_thread()
 
     def use_on_this_thread(self):
         numba.set_num_threads(self.threads)  # Numba keeps the count per calling thread
+
+    def run_step(self, owner, key, step, *vectors):
+        """A decode step on the count the thread policy picks for steps of its size, timed
+        for it; other passes (prefill) keep every thread."""
+        threads = self.thread_policy.for_step(key)
+        numba.set_num_threads(threads)
+        try:
+            start = time.perf_counter()
+            out = super().run_step(owner, key, step, *vectors)
+            self.thread_policy.record(key, threads, time.perf_counter() - start)
+        finally:
+            numba.set_num_threads(self.threads)
+        return out
 
     def load_weight(self, raw, qtype, n_out, n_in):
         raw = np.asarray(raw).view()
@@ -148,10 +168,10 @@ class CPUBackend(Backend):
             np.ascontiguousarray(factors, np.float32),
         )
 
-    def layer_stack(self, layers, eps, block):
+    def layer_stack(self, layers, eps, block, source=None, head=None):
         if not stack.supported(layers, block):
             return None
-        return stack.CompiledBlocks(layers, eps, block)
+        return stack.CompiledBlocks(layers, eps, block, source, head)
 
     def embed(self, w, ids):
         rows = np.ascontiguousarray(w.raw[np.asarray(ids, np.int64)])

@@ -19,8 +19,8 @@ from fastrun.backends.block import GELU_TANH
 from fastrun.backends.cpu import ops
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.fused import norm_qmatmul_many, rope_kv
-from fastrun.backends.cpu.matmul import qmatmul
-from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer
+from fastrun.backends.cpu.matmul import FORMATS, qmatmul
+from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer, root_array
 
 drop_stale_cache(
     "stack",
@@ -118,13 +118,6 @@ def run_blocks(
     return x
 
 
-def _file_of(raw: np.ndarray) -> np.ndarray:
-    """The array that raw is a view of, at the root (for weights: the whole memory map)."""
-    while isinstance(raw.base, np.ndarray):
-        raw = raw.base
-    return raw
-
-
 def supported(layers, block) -> bool:
     """All matrices in integer-kernel formats and views of one file, Q/K/V and gate/up each
     sharing one activation format; every layer's RoPE of one layout and frequency factors
@@ -145,11 +138,11 @@ def supported(layers, block) -> bool:
         ws = [getattr(layer, name) for name in MATRICES]
         if any(not w.fusable or not w.raw.flags.c_contiguous for w in ws):
             return False
-        files.update(id(_file_of(w.raw)) for w in ws)
+        files.update(id(root_array(w.raw)) for w in ws)
         for group in (ws[:3], ws[4:6]):
             if len({(w.format.activation, w.format.block_size) for w in group}) > 1:
                 return False
-    return len(files) == 1 and _file_of(layers[0].wq.raw).ndim == 1
+    return len(files) == 1 and root_array(layers[0].wq.raw).ndim == 1
 
 
 def _stacked(layers, names: tuple[str, ...]) -> np.ndarray:
@@ -163,9 +156,12 @@ class CompiledBlocks:
     """stack(x, positions, placement, full, ring) -> x (Backend.layer_stack) for one model's
     layers (which `supported` accepts), computing as their BlockSpec describes."""
 
-    def __init__(self, layers, eps: float, block):
+    def __init__(self, layers, eps: float, block, source: str | None = None, head=None):
         ws = [getattr(layer, name) for layer in layers for name in MATRICES]
-        self.file, self.where = kernel_bytes_in_one_buffer(ws)  # repacked, as one array
+        # repacked (or from the tile cache, source the model file), as one array; the head's
+        # tiles after the layers' (the stack does not read them: one cache file for both)
+        with_head = ws + ([head] if head is not None and head.qtype in FORMATS else [])
+        self.file, self.where = kernel_bytes_in_one_buffer(with_head, source)
         self.kernels = np.array([w.kernel for w in ws], np.int64).reshape(len(layers), 7)
         products = [(layer.wq, layer.wo, layer.w_gate, layer.w_down) for layer in layers]
         self.block_sizes = np.array([[w.format.block_size for w in p] for p in products], np.int64)

@@ -3,10 +3,11 @@ on first use, or for all layers of a model into one buffer)."""
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from fastrun.backends.base import Weight
-from fastrun.backends.cpu import matmul, tiles
+from fastrun.backends.cpu import matmul, tile_cache, tiles
 from fastrun.formats.errors import FastrunError
 from fastrun.quant import dequantize
 from fastrun.quant.formats import block_format
@@ -53,17 +54,69 @@ class CPUWeight(Weight):
         packed.flags.writeable = False  # one compiled signature: read-only weight bytes
         self._kernel_bytes = packed
 
+    def adopt_kernel_bytes(self, packed: np.ndarray) -> bool:
+        """Use tiles repacked before (read-only uint8 of kernel_shape, from the tile cache)
+        if its first and last tiles are what repacking gives now; whether they were."""
+        for tile in sorted({0, (self.raw.shape[0] - 1) // tiles.TILE_ROWS}):
+            rows = self.raw[tile * tiles.TILE_ROWS : (tile + 1) * tiles.TILE_ROWS]
+            if not np.array_equal(tiles.repack(rows, self.qtype)[0], packed[tile]):
+                return False
+        self._kernel_bytes = packed
+        return True
 
-def kernel_bytes_in_one_buffer(weights) -> tuple[np.ndarray, np.ndarray]:
+
+def root_array(raw: np.ndarray) -> np.ndarray:
+    """The array that raw is a view of, at the root (for weights: the whole memory map)."""
+    while isinstance(raw.base, np.ndarray):
+        raw = raw.base
+    return raw
+
+
+def kernel_bytes_in_one_buffer(weights, source: str | None = None):
     """Every weight's kernel bytes placed in one read-only buffer, for a compiled call that
     takes them as one array: (buffer, where int64 [len, 3]: offset, units, bytes per unit).
-    Each weight then multiplies from its view of the buffer (no second copy)."""
+    Each weight then multiplies from its view of the buffer (no second copy). With source
+    (the path of the model file the weights are views of), the buffer comes from the tile
+    cache when it holds these weights' tiles, else is repacked and stored there."""
     shapes = [w.kernel_shape for w in weights]
     sizes = [rows * cols for rows, cols in shapes]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    buffer = np.empty(int(offsets[-1]), np.uint8)
-    for w, (rows, cols), at in zip(weights, shapes, offsets, strict=False):
-        w.place_kernel_bytes(buffer[at : at + rows * cols].reshape(rows, cols))
-    buffer.flags.writeable = False
     where = np.array([(at, *shape) for at, shape in zip(offsets, shapes, strict=False)], np.int64)
+    views = [(w, int(at), rows * cols, (rows, cols)) for w, (rows, cols), at in zip(
+        weights, shapes, offsets, strict=False)]  # fmt: skip
+    header = None
+    if source is not None:
+        header = tile_cache.expected_header(source, _origins(weights), int(offsets[-1]))
+        cached = tile_cache.load(header)
+        if cached is not None and _adopt_all(cached, views):
+            return cached, where
+    buffer = np.empty(int(offsets[-1]), np.uint8)
+    for w, at, n, shape in views:
+        w.place_kernel_bytes(buffer[at : at + n].reshape(shape))
+    buffer.flags.writeable = False
+    if header is not None:
+        tile_cache.save(header, buffer)
     return buffer, where
+
+
+def _adopt_all(cached: np.ndarray, views) -> bool:
+    """Each weight adopts its view of the cached tiles, if every spot check passes. On one
+    thread: the checks repack single tiles, too small for a parallel loop to pay (on a busy
+    machine each would wait for a descheduled thread)."""
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        return all(
+            w.adopt_kernel_bytes(cached[at : at + n].reshape(shape)) for w, at, n, shape in views
+        )
+    finally:
+        numba.set_num_threads(threads)
+
+
+def _origins(weights) -> list[tuple[int, str, int, int]]:
+    """Each weight's (byte offset in its file, type, n_out, n_in): what its tiles come from."""
+    out = []
+    for w in weights:
+        start = root_array(w.raw).__array_interface__["data"][0]
+        out.append((w.raw.__array_interface__["data"][0] - start, w.qtype, w.n_out, w.n_in))
+    return out

@@ -230,7 +230,9 @@ class Transformer:
         tied = keys.OUTPUT not in f.tensors
         self.output = self.token_embd if tied else load(keys.OUTPUT, c.n_vocab, c.n_embd)
         # the blocks below as one backend call where the backend has one (CPU: compiled)
-        self._stack = backend.layer_stack(self.layers, c.rms_eps, spec)
+        self._stack = backend.layer_stack(
+            self.layers, c.rms_eps, spec, source=f.path, head=self.output
+        )
 
     def new_cells(self, n_seq: int, n_ctx: int, max_pass: int = PREFILL_CHUNK) -> KVCells:
         """KV storage for n_seq sequences of n_ctx tokens each, whose passes add at most
