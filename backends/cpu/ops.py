@@ -133,8 +133,8 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ri
     starts[t] + p, positions visited in order either way (the same sums). A two-pass
     softmax rounded as llama.cpp's graph rounds it: exponentials summed in float64, the
     probabilities normalized in float32 and rounded to fp16 (it multiplies them by the fp16
-    V cache), never renormalized. Memory
-    is one score per key per task: no n x n matrix, whatever the prompt length.
+    V cache), never renormalized. Memory is one score per key per task: no n x n matrix,
+    whatever the prompt length.
     """
     n, h, hd = q.shape
     group = h // k_cache.shape[1]
