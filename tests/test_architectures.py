@@ -17,10 +17,12 @@ NAMES = ["qwen3", "gemma2", "gemma3", "phi3", "llama3"]
 
 
 def fixture_logits(path: Path, ids: np.ndarray, backend_name: str = "cpu") -> np.ndarray:
-    """Logits [n, vocab] of token ids, all in one pass."""
+    """Logits [n, vocab] of token ids, all in one pass, in a context of just these tokens:
+    transformers picks phi3's LongRoPE factors by the sequence's length, fastrun (as
+    llama.cpp) by the context's."""
     f = GGUFFile(path)
     model = model_class(f.architecture)(f, get_backend(backend_name))
-    return model.forward(ids, model.new_cache(64), all_logits=True)
+    return model.forward(ids, model.new_cache(len(ids)), all_logits=True)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
