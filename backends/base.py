@@ -22,7 +22,7 @@ class RopeConfig:
     freq_base: float = 10000.0
     freq_scale: float = 1.0  # linear scaling: positions are multiplied by this
     neox: bool = False  # False: rotate pairs (2i, 2i+1) (llama); True: halves (i, i + n_dims/2)
-    freq_factors: np.ndarray | None = None  # [n_dims/2] divisors of each frequency (llama 3)
+    freq_factors: np.ndarray | None = None  # [n_dims/2] divisors of each frequency (llama 3, phi3)
 
 
 class Weight:
@@ -198,7 +198,9 @@ class Backend(ABC):
         as [layers, rows, hk, hd]; placement int64 [n_layer, 2]: each layer's (in the ring,
         index in its storage). source: the path of the file the weights are views of, if any
         (a backend may keep what it derives from them on disk, keyed by it); head: the weight
-        multiplied after the blocks (the output), which a backend may prepare with them."""
+        multiplied after the blocks (the output), which a backend may prepare with them.
+        A stack's for_block(other) is the same weights computing as another description of
+        the same layers (phi3's long-context RoPE), or None where it cannot."""
         return None
 
     # -- whole decode steps -------------------------------------------------------------------

@@ -481,7 +481,7 @@ class Engine:
             self._decoding.remove(request)
             self._finish(request, "length")
             return False
-        cache.shift(keep, discard, self.transformer.layer_ropes)
+        cache.shift(keep, discard, self.transformer.layer_ropes(cache.cells))
         if self.speculator is not None:
             self.speculator.shifted(request, keep, discard)
         request.completion.context_shifts += 1

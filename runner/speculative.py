@@ -547,7 +547,7 @@ class ModelDrafter:
         """The target's context shift, mirrored, so the draft does not run the kept tail again."""
         cache = self._cache(request)
         if cache.length > keep + discard:
-            cache.shift(keep, discard, self.transformer.layer_ropes)
+            cache.shift(keep, discard, self.transformer.layer_ropes(cache.cells))
         else:
             cache.trim(keep)
 

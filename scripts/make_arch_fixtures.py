@@ -1,6 +1,8 @@
 """Regenerate tests/fixtures/arch: tiny random-weight models of each architecture, made in
 Hugging Face transformers, converted to GGUF (F32) by llama.cpp's own convert_hf_to_gguf.py,
-with transformers' float32 logits for a fixed token sequence beside each.
+with transformers' float32 logits for a fixed token sequence beside each (and for phi3 of a
+second one, past its original context: LongRoPE's long factors). `--only phi3` regenerates
+one fixture.
 
 Needs torch and transformers (not fastrun's test dependencies: the tests read only the
 committed files) and a llama.cpp checkout for the converter:
@@ -27,6 +29,9 @@ import numpy as np
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "arch"
 N_VOCAB = 128
 N_TOKENS = 24  # longer than the fixtures' 8-position windows, so the masks matter
+# A second sequence (npz keys long_ids, long_logits) where the fixture's RoPE depends on the
+# sequence: phi3's LongRoPE takes its long factors past original_max_position_embeddings.
+LONG_TOKENS = {"phi3": 48}
 SEED = 17
 
 # Small shapes: every fixture stays near 200 KB. Rows of two Q8_0 blocks (32 wide, one
@@ -171,7 +176,6 @@ def main() -> None:
     import transformers
 
     OUT.mkdir(parents=True, exist_ok=True)
-    ids = np.random.default_rng(SEED).integers(0, N_VOCAB, N_TOKENS).astype(np.int32)
     for name, config_name, fields in configs():
         if args.only and name not in args.only:
             continue
@@ -180,8 +184,13 @@ def main() -> None:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.eval()
         randomize(model, torch, zero_centered_norms=name.startswith("gemma"))
-        with torch.no_grad():
-            logits = model(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
+        lengths = {"": N_TOKENS} | ({"long_": LONG_TOKENS[name]} if name in LONG_TOKENS else {})
+        arrays = {}
+        for prefix, n_tokens in lengths.items():
+            ids = np.random.default_rng(SEED).integers(0, N_VOCAB, n_tokens).astype(np.int32)
+            with torch.no_grad():
+                logits = model(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
+            arrays[f"{prefix}ids"], arrays[f"{prefix}logits"] = ids, logits.astype(np.float32)
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             # gemma3's converter counts the real vocabulary in tokenizer.json
@@ -189,9 +198,9 @@ def main() -> None:
             tokenizer = {"model": {"vocab": vocab}, "added_tokens": []}
             (Path(tmp) / "tokenizer.json").write_text(json.dumps(tokenizer))
             convert(args.llama_cpp, Path(tmp), OUT / f"{name}.gguf")
-        np.savez_compressed(OUT / f"{name}.npz", ids=ids, logits=logits.astype(np.float32))
+        np.savez_compressed(OUT / f"{name}.npz", **arrays)
         size = (OUT / f"{name}.gguf").stat().st_size
-        print(f"{name}: {size / 1024:.0f} KB, logits std {logits.std():.3f}")
+        print(f"{name}: {size / 1024:.0f} KB, logits std {arrays['logits'].std():.3f}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def _teacher_forced(model, ring: bool, tokens: list[int]) -> np.ndarray:
     out = [model.forward(tokens[0:150], cache)[-1], model.forward(tokens[150:300], cache)[-1]]
     for t in tokens[300:450]:
         out.append(model.forward([t], cache)[-1])
-    cache.shift(4, 200, model.layer_ropes)
+    cache.shift(4, 200, model.layer_ropes(cache.cells))
     if ring:
         assert cache.ring_offset == 200 % RING
     for t in tokens[450:550]:
@@ -82,7 +82,7 @@ def test_ring_graphs_replay_the_offsets_of_their_step(gemma_path):
     for step in range(60):
         if step in (20, 40):
             for cells in (graphed, eager):
-                cells.sequences[step // 20 - 1].shift(4, 90 + step, model.layer_ropes)
+                cells.sequences[step // 20 - 1].shift(4, 90 + step, model.layer_ropes(cells))
         token = int(rng.integers(0, 300))
         out = []
         for cells, capture in ((graphed, True), (eager, False)):

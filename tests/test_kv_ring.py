@@ -97,7 +97,7 @@ def test_context_shift_on_a_ring(gemma_path, keep, discard):
     ring, full = tf.new_cache(128, PASS), tf.new_cache(128)
     for cache in (ring, full):
         _teacher_forced(tf, cache, ids[:50], [16, 9, 1])
-        cache.shift(keep, discard, tf.layer_ropes)
+        cache.shift(keep, discard, tf.layer_ropes(cache.cells))
     assert ring.tokens == full.tokens == ids[:keep] + ids[keep + discard : 50]
     got = _teacher_forced(tf, ring, ids[50:], [1, 16, 3])
     expect = _teacher_forced(tf, full, ids[50:], [1, 16, 3])
@@ -111,7 +111,8 @@ def test_a_shift_that_leaves_the_window_without_its_cells_is_refused(gemma_path)
     tf = _transformer(gemma_path)
     cache = tf.new_cache(128, PASS)
     tf.forward(list(range(40)), cache)
-    cache.shift(4, 32, tf.layer_ropes)  # 4 kept, 4 moved: the kept ones were overwritten
+    # 4 kept, 4 moved: the kept ones were overwritten
+    cache.shift(4, 32, tf.layer_ropes(cache.cells))
     with pytest.raises(FastrunError, match="overwritten"):
         tf.forward([7], cache)
 

@@ -12,6 +12,8 @@ cache as its [n_layer, rows, hk, hd] arrays.
 
 from __future__ import annotations
 
+import copy
+
 import numba as nb
 import numpy as np
 
@@ -122,16 +124,7 @@ def supported(layers, block) -> bool:
     """All matrices in integer-kernel formats and views of one file, Q/K/V and gate/up each
     sharing one activation format; every layer's RoPE of one layout and frequency factors
     (their bases and scales may differ)."""
-    first = block.layers[0].rope
-
-    def same_layout(r) -> bool:
-        if (r.n_dims, r.neox) != (first.n_dims, first.neox):
-            return False
-        if r.freq_factors is None or first.freq_factors is None:
-            return r.freq_factors is first.freq_factors
-        return np.array_equal(r.freq_factors, first.freq_factors)
-
-    if not all(same_layout(spec.rope) for spec in block.layers):
+    if not _ropes_supported(block):
         return False
     files = set()
     for layer in layers:
@@ -143,6 +136,20 @@ def supported(layers, block) -> bool:
             if len({(w.format.activation, w.format.block_size) for w in group}) > 1:
                 return False
     return len(files) == 1 and root_array(layers[0].wq.raw).ndim == 1
+
+
+def _ropes_supported(block) -> bool:
+    """Every layer's RoPE of one layout and frequency factors (run_blocks takes one set)."""
+    first = block.layers[0].rope
+
+    def same_layout(r) -> bool:
+        if (r.n_dims, r.neox) != (first.n_dims, first.neox):
+            return False
+        if r.freq_factors is None or first.freq_factors is None:
+            return r.freq_factors is first.freq_factors
+        return np.array_equal(r.freq_factors, first.freq_factors)
+
+    return all(same_layout(spec.rope) for spec in block.layers)
 
 
 def _stacked(layers, names: tuple[str, ...]) -> np.ndarray:
@@ -176,6 +183,19 @@ class CompiledBlocks:
         self.head_norms = _stacked(layers, ("q_norm", "k_norm"))
         self.post_norms = _stacked(layers, ("attn_post_norm", "ffn_post_norm"))
         self.eps = float(eps)
+        self._follow(block)
+
+    def for_block(self, block):
+        """These weights computing as another description of the same layers (Backend.
+        layer_stack); None where this stack cannot."""
+        if not _ropes_supported(block):
+            return None
+        other = copy.copy(self)
+        other._follow(block)
+        return other
+
+    def _follow(self, block) -> None:
+        """The description's values, as run_blocks takes them."""
         ropes = [spec.rope for spec in block.layers]
         self.rope_dims, self.rope_neox = ropes[0].n_dims, ropes[0].neox
         self.rope_bases = np.array([r.freq_base for r in ropes], np.float64)

@@ -50,6 +50,11 @@ class TransformerConfig:
             attn_scale=1.0 / float(np.sqrt(self.head_dim)),
         )
 
+    def for_context(self, n_ctx: int) -> TransformerConfig:
+        """The config of a context of n_ctx tokens per sequence: this one, except where an
+        architecture's RoPE depends on the context (phi3's LongRoPE)."""
+        return self
+
     @classmethod
     def arch_fields(cls, f: GGUFFile, common: dict) -> dict:
         """Values of the architecture's own fields (those beyond TransformerConfig's) read from
@@ -85,21 +90,12 @@ class TransformerConfig:
         n_rot = f.get(keys.ROPE_DIMENSION_COUNT) or head_dim
         if n_rot % 2 or n_rot > head_dim:
             refuse(f"RoPE over {n_rot} dimensions of {head_dim}-wide heads")
-        factors = None
-        if keys.ROPE_FREQS in f.tensors:  # llama 3 long-context frequency divisors
-            info = f.tensor(keys.ROPE_FREQS)
-            if info.format.name != "F32" or info.shape != (n_rot // 2,):
-                refuse(
-                    f"{keys.ROPE_FREQS} is {info.format.name} {list(info.shape)}, "
-                    f"expected F32 [{n_rot // 2}]"
-                )
-            factors = np.frombuffer(f.tensor_bytes(keys.ROPE_FREQS).tobytes(), np.float32)
         rope = RopeConfig(
             n_dims=n_rot,
             freq_base=f.get(keys.ROPE_FREQ_BASE) or 10000.0,
             freq_scale=scale,
             neox=cls.neox_rope,
-            freq_factors=factors,
+            freq_factors=rope_factors(f, keys.ROPE_FREQS, n_rot),  # llama 3's, if any
         )
         common = dict(
             arch=f.architecture,
@@ -116,6 +112,19 @@ class TransformerConfig:
         )
         own = cls.arch_fields(f, common)  # first: it may refine a shared value (phi3's RoPE)
         return cls(**common, **own)
+
+
+def rope_factors(f: GGUFFile, name: str, n_rot: int) -> np.ndarray | None:
+    """The file's RoPE frequency divisors `name`, F32 [n_rot / 2], or None where it has none."""
+    if name not in f.tensors:
+        return None
+    info = f.tensor(name)
+    if info.format.name != "F32" or info.shape != (n_rot // 2,):
+        raise FastrunError(
+            f"{os.path.basename(f.path)}: {name} is {info.format.name} {list(info.shape)}, "
+            f"expected F32 [{n_rot // 2}]"
+        )
+    return np.frombuffer(f.tensor_bytes(name).tobytes(), np.float32)
 
 
 def _caused_by_interrupt(error: BaseException) -> bool:
@@ -171,7 +180,7 @@ class Transformer:
         self.file = f  # keeps the memory map (and the weights' views) alive
         self.backend = backend
         self.config = c = self.config_class.from_gguf(f)
-        self.block = spec = c.block()
+        self.block = spec = c.block()  # the model's; described(n_ctx) gives a context's
         spec.check_backend(backend, c.arch)
 
         def load(name: str, n_out: int, n_in: int):
@@ -233,6 +242,20 @@ class Transformer:
         self._stack = backend.layer_stack(
             self.layers, c.rms_eps, spec, source=f.path, head=self.output
         )
+        self._contexts = {}  # id(config) -> (config, block, stack) of for_context's others
+
+    def described(self, n_ctx: int):
+        """(block, stack) of a context of n_ctx tokens per sequence: the model's own, or where
+        its config differs for such a context (phi3's long RoPE factors), that config's block,
+        and the same stack's weights computing it (built once)."""
+        config = self.config.for_context(n_ctx)
+        if config is self.config:
+            return self.block, self._stack
+        if id(config) not in self._contexts:
+            spec = config.block()
+            stack = None if self._stack is None else self._stack.for_block(spec)
+            self._contexts[id(config)] = (config, spec, stack)  # config kept: its id stays
+        return self._contexts[id(config)][1:]
 
     def new_cells(self, n_seq: int, n_ctx: int, max_pass: int = PREFILL_CHUNK) -> KVCells:
         """KV storage for n_seq sequences of n_ctx tokens each, whose passes add at most
@@ -240,10 +263,9 @@ class Transformer:
         c, windows = self.config, [at.window for at in self.block.layers]
         return KVCells(self.backend, windows, n_seq, n_ctx, c.n_head_kv, c.head_dim, max_pass)
 
-    @property
-    def layer_ropes(self) -> list:
-        """Each layer's RoPE, as a context shift re-rotates that layer's keys."""
-        return [at.rope for at in self.block.layers]
+    def layer_ropes(self, cells: KVCells) -> list:
+        """Each layer's RoPE in these cells, as a context shift re-rotates that layer's keys."""
+        return [at.rope for at in self.described(cells.n_ctx)[0].layers]
 
     def new_cache(self, n_ctx: int, max_pass: int = PREFILL_CHUNK) -> KVCache:
         """The cells of one sequence, alone in its storage."""
@@ -314,24 +336,25 @@ class Transformer:
         the int32 vectors ids, positions, starts (each token's sequence's first full-context
         row), ring_starts (its first ring row) and offsets (its ring offset), on the host or
         the backend."""
-        b, c, spec = self.backend, self.config, self.block
+        b, c = self.backend, self.config
+        spec, stack = self.described(cells.n_ctx)
         ids, positions, starts, ring_starts, offsets = where
         slots = starts + positions
         ring_slots = ring_starts + (positions + offsets) % cells.ring if cells.ring else slots
         x = b.embed(self.token_embd, ids)  # [n, d]
         if spec.embed_scale != 1.0:
             x = b.scale(x, spec.embed_scale)
-        if self._stack is not None:  # the backend runs every block in one call
+        if stack is not None:  # the backend runs every block in one call
             full = (cells.k, cells.v, slots, starts)
             ring = (cells.ring_k, cells.ring_v, ring_slots, ring_starts, offsets, cells.ring)
-            x = self._stack(x, positions, cells.placement, full, ring)
+            x = stack(x, positions, cells.placement, full, ring)
         else:
             for i, layer in enumerate(self.layers):
                 k, v, ring = cells.layer(i)
                 to = (ring_slots, ring_starts, ring, offsets) if ring else (slots, starts, 0, None)
                 kv = (k, v, *to)
-                x = self._attention_block(x, layer, spec.layers[i], kv, positions)
-                x = self._ffn_block(x, layer)
+                x = self._attention_block(x, layer, spec, i, kv, positions)
+                x = self._ffn_block(x, layer, spec)
         if outputs is not None:
             if len(outputs) == 0:
                 return None
@@ -342,10 +365,10 @@ class Transformer:
             logits = b.softcap(logits, spec.final_softcap)
         return b.top_k(logits, top_k) if top_k else logits
 
-    def _attention_block(self, x, layer: Layer, at: LayerAttention, kv, positions):
-        """kv: the layer's (k_cache, v_cache, slots, starts, ring, offsets), as Backend.attention
-        reads a ring (ring > 0) or a full-context storage (ring 0)."""
-        b, c, spec = self.backend, self.config, self.block
+    def _attention_block(self, x, layer: Layer, spec: BlockSpec, i: int, kv, positions):
+        """Block i's attention; kv: its (k_cache, v_cache, slots, starts, ring, offsets), as
+        Backend.attention reads a ring (ring > 0) or a full-context storage (ring 0)."""
+        b, c, at = self.backend, self.config, spec.layers[i]
         ws = [layer.wq, layer.wk, layer.wv]
         q, k, v = b.norm_matmul_many(x, layer.attn_norm, c.rms_eps, ws)  # [n, h*hd], [n, hk*hd] x 2
         if spec.qk_norm:  # each head's RMSNorm: rows of hd
@@ -363,8 +386,8 @@ class Transformer:
             return b.matmul_add(attn, layer.wo, x)
         return b.add(x, b.rms_norm(b.matmul(attn, layer.wo), layer.attn_post_norm, c.rms_eps))
 
-    def _ffn_block(self, x, layer: Layer):
-        b, c, spec = self.backend, self.config, self.block
+    def _ffn_block(self, x, layer: Layer, spec: BlockSpec):
+        b, c = self.backend, self.config
         gate, up = b.norm_matmul_many(x, layer.ffn_norm, c.rms_eps, [layer.w_gate, layer.w_up])
         if spec.activation == SILU and layer.ffn_post_norm is None:
             return b.silu_mul_matmul_add(gate, up, layer.w_down, x)  # x + (silu(gate) * up) @ down
