@@ -61,9 +61,12 @@ class TensorJob:
 def open_source(path: str | os.PathLike):
     """The input: a GGUF file, or a Hugging Face folder read as the GGUF that llama.cpp's
     convert_hf_to_gguf.py would make of it (formats/hf_model.py)."""
-    from fastrun.formats.hf_model import HFModel, is_hf_folder
+    if os.path.isdir(path):  # the Hugging Face reader's imports stay out of a GGUF run
+        from fastrun.formats.hf_model import HFModel, is_hf_folder
 
-    return HFModel(path) if is_hf_folder(path) else GGUFFile(path)
+        if is_hf_folder(path):
+            return HFModel(path)
+    return GGUFFile(path)
 
 
 def plan(src, ftype: FileType) -> list[TensorJob]:
