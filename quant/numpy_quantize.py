@@ -24,6 +24,7 @@ levels at a time, in passes over the whole chunk.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import partial
 
@@ -35,7 +36,18 @@ from fastrun.quant.float_types import widen_f16
 HALF_BELOW = np.nextafter(np.float32(0.5), np.float32(0))
 
 CHUNK_BLOCKS = 4096  # blocks per pass: 512 KiB of float32 (fewer calls; L2 and L3 hold it)
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+
+# Each format's block as a NumPy record: a whole field is written in one pass over the chunk
+# (the levels as raw 16- or 32-byte items), where a slice of the rows would cost a NumPy loop
+# per block.
+BLOCK_DTYPES = {
+    "Q4_0": np.dtype([("d", "<u2"), ("qs", "V16")]),
+    "Q4_1": np.dtype([("d", "<u2"), ("m", "<u2"), ("qs", "V16")]),
+    "Q5_0": np.dtype([("d", "<u2"), ("qh", "V4"), ("qs", "V16")]),
+    "Q5_1": np.dtype([("d", "<u2"), ("m", "<u2"), ("qh", "V4"), ("qs", "V16")]),
+    "Q8_0": np.dtype([("d", "<u2"), ("qs", "V32")]),
+}
+BLOCK_BYTES = {name: dtype.itemsize for name, dtype in BLOCK_DTYPES.items()}
 
 _MAGNITUDE = np.uint32(0x7FFFFFFF)
 _SIGN = np.uint32(0x80000000)
@@ -57,6 +69,7 @@ class _Chunk:
     t: np.ndarray  # float32 scratch
     q: np.ndarray  # levels, uint8
     top: np.ndarray  # uint8, the largest level everywhere: np.minimum with a scalar is slow
+    positions: np.ndarray  # uint32, _POSITION_KEYS for every block
     words: np.ndarray  # uint64 [4 nb]: the levels' packing
     starts: np.ndarray  # each block's first index in the flat chunk, for reduceat
     keyed: bool  # the values' low 5 bits are zero (widened F16 or BF16): room for a position
@@ -69,10 +82,9 @@ def _inverse(d: np.ndarray) -> np.ndarray:
     return inv[:, None]
 
 
-def _put_half(column: np.ndarray, v: np.ndarray) -> None:
-    """float32 [nb] -> IEEE half bits into a uint16 column of the output (round to nearest
-    even, as GGML_FP32_TO_FP16): one strided pass, not one tiny row copy per block."""
-    column[...] = v.astype("<f2").view(np.uint16)
+def _half_bits(v: np.ndarray) -> np.ndarray:
+    """float32 -> IEEE half bits (round to nearest even, as GGML_FP32_TO_FP16)."""
+    return v.astype("<f2").view(np.uint16)
 
 
 def _at(xb: np.ndarray, first: np.ndarray) -> np.ndarray:
@@ -91,7 +103,7 @@ def _signed_absmax(c: _Chunk) -> np.ndarray:
     """Per block, the first value of largest magnitude; +0.0 where every value is zero."""
     magnitude = np.bitwise_and(c.x.view(np.uint32), _MAGNITUDE, out=c.v.view(np.uint32))
     if c.keyed:  # magnitude, then position: the largest key is the first largest magnitude
-        magnitude |= _POSITION_KEYS
+        magnitude |= c.positions
         keys = np.maximum.reduceat(magnitude.reshape(-1), c.starts)
         first = (np.uint32(31) - (keys & np.uint32(31))).astype(np.intp)
     else:  # the magnitude's bits order as |x| (no NaN in weights)
@@ -126,22 +138,22 @@ def _levels(c: _Chunk, clamp: bool) -> np.ndarray:
     return c.q
 
 
-def _put_levels(c: _Chunk, qs: np.ndarray, qh: np.ndarray | None) -> None:
-    """Levels [nb, 32] into 16 bytes per block of qs (uint16 columns of the output): level
-    j | level j+16 << 4; and with qh (two uint16 columns), bit 4 of every level as Q5's
-    little-endian 32-bit mask. Passes over the levels as uint64 words, four a block: word k
-    of a block, or'ed with word k+2 shifted by a nibble, is the block's packed word k."""
+def _put_levels(c: _Chunk, out: np.ndarray, five_bits: bool) -> None:
+    """The levels [nb, 32] into out's qs: level j | level j+16 << 4 in byte j; for Q5, bit 4
+    of every level into qh, the little-endian 32-bit mask. Passes over the levels as uint64
+    words, four a block: word k of a block, or'ed with word k+2 shifted by a nibble, is the
+    block's packed word k."""
     w = c.q.view(np.uint64).reshape(-1)
-    if qh is not None:
+    if five_bits:
         bits = np.bitwise_and(w, _BYTE_BIT4, out=c.words)
         bits >>= np.uint64(4)
         bits *= _GATHER_BITS
         bits >>= np.uint64(56)
-        qh[...] = bits.reshape(-1, 4).astype(np.uint8).view(np.uint16)  # 4 bytes: two uint16
+        out["qh"] = bits.astype(np.uint8).view("V4")
         w &= _LOW_NIBBLES
     packed = np.left_shift(w[2:], np.uint64(4), out=c.words[:-2])
     packed |= w[:-2]
-    qs[...] = c.words.reshape(-1, 4)[:, :2].view(np.uint16)
+    out["qs"] = c.words.view("V16")[::2]
 
 
 def _q8_0(c: _Chunk, out: np.ndarray) -> None:
@@ -152,8 +164,9 @@ def _q8_0(c: _Chunk, out: np.ndarray) -> None:
     v += HALF_BELOW
     sign = np.bitwise_and(c.x.view(np.uint32), _SIGN, out=c.t.view(np.uint32))
     np.bitwise_or(v.view(np.uint32), sign, out=v.view(np.uint32))
-    _put_half(out.view(np.uint16)[:, 0], d)
-    np.copyto(out[:, 2:].view(np.int8), v, casting="unsafe")
+    out["d"] = _half_bits(d)
+    qs = out.view(np.uint8).reshape(-1, BLOCK_BYTES["Q8_0"])[:, 2:]
+    np.copyto(qs.view(np.int8), v, casting="unsafe")
 
 
 def _symmetric(c: _Chunk, out: np.ndarray, half_levels: int) -> None:
@@ -162,12 +175,8 @@ def _symmetric(c: _Chunk, out: np.ndarray, half_levels: int) -> None:
     np.multiply(c.x, _inverse(d), out=c.v)
     c.v += np.float32(half_levels + 0.5)  # in [0, 2 * half_levels + 1): never negative
     _levels(c, clamp=True)
-    out16 = out.view(np.uint16)
-    _put_half(out16[:, 0], d)
-    if half_levels == 8:
-        _put_levels(c, out16[:, 1:], None)
-    else:
-        _put_levels(c, out16[:, 3:], out16[:, 1:3])
+    out["d"] = _half_bits(d)
+    _put_levels(c, out, five_bits=half_levels == 16)
 
 
 def _affine(c: _Chunk, out: np.ndarray, levels: int) -> None:
@@ -179,13 +188,9 @@ def _affine(c: _Chunk, out: np.ndarray, levels: int) -> None:
     c.v *= _inverse(d)
     c.v += np.float32(0.5)
     _levels(c, clamp=levels == 15)
-    out16 = out.view(np.uint16)
-    _put_half(out16[:, 0], d)
-    _put_half(out16[:, 1], lo)
-    if levels == 15:
-        _put_levels(c, out16[:, 2:], None)
-    else:
-        _put_levels(c, out16[:, 4:], out16[:, 2:4])
+    out["d"] = _half_bits(d)
+    out["m"] = _half_bits(lo)
+    _put_levels(c, out, five_bits=levels == 31)
 
 
 _QUANTIZERS = {
@@ -198,31 +203,45 @@ _QUANTIZERS = {
 _LARGEST_LEVEL = {"Q8_0": 127, "Q4_0": 15, "Q5_0": 31, "Q4_1": 15, "Q5_1": 31}
 
 
+class _Scratch(threading.local):
+    """Each thread's buffers for chunks of up to CHUNK_BLOCKS blocks, made on its first slab and
+    reused by all the others: fresh buffers per slab cost their page faults and fills."""
+
+    def __init__(self):
+        nb = CHUNK_BLOCKS
+        self.floats = np.empty((3, nb, 32), np.float32)
+        self.levels = np.empty((nb, 32), np.uint8)
+        self.tops = {top: np.full((nb, 32), top, np.uint8) for top in set(_LARGEST_LEVEL.values())}
+        self.positions = np.tile(_POSITION_KEYS, nb).reshape(nb, 32)
+        self.words = np.empty(4 * nb, np.uint64)
+        self.starts = np.arange(0, 32 * nb, 32)
+
+
+_scratch = _Scratch()
+
+
 def quantize_blocks32(x: np.ndarray, name: str) -> np.ndarray:
     """float rows [n_rows, n] (float32, or float16 widened here; n a multiple of 32) -> raw
     bytes [n_rows, row_bytes] of Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1."""
     n_rows = x.shape[0]
     blocks = np.ascontiguousarray(x).reshape(-1, 32)
-    out = np.empty((blocks.shape[0], BLOCK_BYTES[name]), np.uint8)
+    out = np.empty(blocks.shape[0], BLOCK_DTYPES[name])
     quantize = _QUANTIZERS[name]
     # A few thousand blocks at a time, in scratch buffers reused by every chunk: they stay in
     # the core's caches, and no pass allocates a large temporary (fresh pages, whose faults
     # cost more than the arithmetic, measured several times the whole pass).
-    nb = min(CHUNK_BLOCKS, blocks.shape[0])
-    floats = np.empty((3, nb, 32), np.float32)
-    levels = np.empty((nb, 32), np.uint8)
-    tops = np.full((nb, 32), _LARGEST_LEVEL[name], np.uint8)
-    words = np.empty(4 * nb, np.uint64)
-    starts = np.arange(0, 32 * nb, 32)
+    s = _scratch
+    top = s.tops[_LARGEST_LEVEL[name]]
     widened = blocks.dtype == np.float16
     for b0 in range(0, blocks.shape[0], CHUNK_BLOCKS):
         chunk = blocks[b0 : b0 + CHUNK_BLOCKS]
         k = chunk.shape[0]
-        xb, v, t = floats[:, :k]
+        xb, v, t = s.floats[:, :k]
         if widened:
             widen_f16(chunk, xb)
         else:
             np.copyto(xb, chunk)
-        c = _Chunk(xb, v, t, levels[:k], tops[:k], words[: 4 * k], starts[:k], widened)
+        levels, positions, words = s.levels[:k], s.positions[:k], s.words[: 4 * k]
+        c = _Chunk(xb, v, t, levels, top[:k], positions, words, s.starts[:k], widened)
         quantize(c, out[b0 : b0 + k])
-    return out.reshape(n_rows, -1)
+    return out.view(np.uint8).reshape(n_rows, -1)
