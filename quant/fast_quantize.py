@@ -440,30 +440,6 @@ def _quantize_k(x, out, kind):
 _KIND_K = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
 
 
-@nb.njit(**_JIT)
-def _widen_f16(h, bits, values):
-    """bits and values: uint32 and float32 views of one output. The first loop has no
-    branch, so that it vectorizes; zeros and subnormals, rare in weights, are redone after."""
-    for i in range(h.size):
-        x = np.uint32(h[i])
-        magnitude = (x & 0x7FFF) << 13
-        rebias = 0x70000000 if x & 0x7C00 == 0x7C00 else 0x38000000  # inf/NaN: exponent 255
-        bits[i] = ((x & 0x8000) << 16) | (magnitude + rebias)
-    for i in range(h.size):
-        x = h[i]
-        if x & 0x7C00 == 0:  # zero or subnormal: a whole number of 2**-24
-            v = np.float32(x & 0x3FF) * np.float32(2.0**-24)
-            values[i] = -v if x & 0x8000 else v
-
-
-def widen_f16(raw: np.ndarray) -> np.ndarray:
-    """F16 bytes to float32, exactly (what NumPy's astype does, several times faster)."""
-    h = np.ascontiguousarray(raw).reshape(-1).view("<u2")
-    out = np.empty(h.size, np.float32)
-    _widen_f16(h, out.view(np.uint32), out)
-    return out
-
-
 def quantize_rows(x: np.ndarray, qtype: str | int) -> np.ndarray:
     """Quantize float32 rows [n_rows, n] to raw bytes [n_rows, row_bytes] of the given type."""
     fmt = block_format(qtype)
