@@ -18,8 +18,9 @@ The places where C's semantics are subtle, kept exact here:
 
 Why the passes look as they do: a NumPy call on a row of 32 costs far more than its 32 values
 (argmax along the rows of blocks is a third of a naive quantizer's time), so per-block
-reductions run as one `reduceat` over the chunk, and bytes are packed as uint64 words, eight
-levels at a time, in passes over the whole chunk.
+reductions run as one `reduceat` over the chunk (for F16 input, the position of the first
+largest magnitude rides in the low bits of the key reduced), and bytes are packed as uint64
+words, eight levels at a time, in passes over the whole chunk.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ BLOCK_BYTES = {name: dtype.itemsize for name, dtype in BLOCK_DTYPES.items()}
 
 _MAGNITUDE = np.uint32(0x7FFFFFFF)
 _SIGN = np.uint32(0x80000000)
-# A value's position in its block, as the low bits of a key that orders ties first-first
+# 31 - a value's position in its block: or'ed into the low bits of a magnitude that has
+# none set (a widened F16), the largest key is the block's first largest magnitude
 _POSITION_KEYS = np.arange(31, -1, -1, dtype=np.uint32)
 # Eight levels in the bytes of a uint64: each byte's bit 4, then the multiplication that
 # gathers the eight bits (byte i's bit lands on bit 56 + i; no two partial products overlap)
@@ -72,7 +74,7 @@ class _Chunk:
     positions: np.ndarray  # uint32, _POSITION_KEYS for every block
     words: np.ndarray  # uint64 [4 nb]: the levels' packing
     starts: np.ndarray  # each block's first index in the flat chunk, for reduceat
-    keyed: bool  # the values' low 5 bits are zero (widened F16 or BF16): room for a position
+    keyed: bool  # widened from F16: the low 13 bits are zero, room for a position
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
