@@ -373,10 +373,8 @@ def _signed_levels(x, x0, n, iscale, nmax, Lf):
 
 
 @nb.njit(inline="always", **_JIT)
-def make_qx_quants_rmse1(x, x0, n, nmax, L, l0, Lf, wv, wx):
-    """llama.cpp's make_qx_quants with rmse_type 1 (weights x**2) and no importance matrix.
-    wv and wx are scratch for the weights w = x*x and the products w*x, which C recomputes
-    in every step; the sums keep C's order (sumlx += (w*x)*l, suml2 += (w*l)*l)."""
+def _signed_max(x, x0, n):
+    """(largest magnitude, the first value having it), as C's loop finds them."""
     amax = _f32(0)
     mx = _f32(0)
     for i in range(n):
@@ -384,49 +382,88 @@ def make_qx_quants_rmse1(x, x0, n, nmax, L, l0, Lf, wv, wx):
         if ax > amax:
             amax = ax
             mx = x[x0 + i]
-    if amax < GROUP_MAX_EPS:
-        for i in range(n):
-            L[l0 + i] = 0
-        return _f32(0)
-    for i in range(n):
+    return amax, mx
+
+
+@nb.njit(inline="always", **_JIT)
+def make_qx_pair(x, x0, n, nmax, L, l0, Lf, wv, wx):
+    """llama.cpp's make_qx_quants with rmse_type 1 (weights x**2), no importance matrix, for
+    two sub-blocks side by side: x[x0:x0+n] (levels into L[l0:]) and the next n values
+    (L[l0+n:]); Lf, wv, wx are scratch for 2n (the weights w = x*x and the products w*x, which
+    C recomputes in every step). Returns the two scales.
+
+    Each sub-block's sums keep C's order (sumlx += (w*x)*l, suml2 += (w*l)*l); the two
+    sub-blocks' chains of additions interleave (see make_qkx2_pair). An all-zero sub-block
+    (C returns at once) runs along with a max of 1: its levels are 0 and suml2 stays 0, so
+    nothing of it changes before its result is set at the end."""
+    xb = x0 + n
+    amax_a, mx_a = _signed_max(x, x0, n)
+    amax_b, mx_b = _signed_max(x, xb, n)
+    zero_a = amax_a < GROUP_MAX_EPS
+    zero_b = amax_b < GROUP_MAX_EPS
+    if zero_a:
+        mx_a = _f32(1)
+    if zero_b:
+        mx_b = _f32(1)
+    for i in range(2 * n):
         xi = x[x0 + i]
         wv[i] = xi * xi
         wx[i] = wv[i] * xi
-    iscale = _f32(-nmax) / mx
-    _signed_levels(x, x0, n, iscale, nmax, Lf)
-    sumlx = _f32(0)
-    suml2 = _f32(0)
+    _signed_levels(x, x0, n, _f32(-nmax) / mx_a, nmax, Lf[:n])
+    _signed_levels(x, xb, n, _f32(-nmax) / mx_b, nmax, Lf[n:])
+    sumlx_a = suml2_a = sumlx_b = suml2_b = _f32(0)
     for i in range(n):
         L[l0 + i] = int(Lf[i]) + nmax
-        sumlx += wx[i] * Lf[i]
-        suml2 += wv[i] * Lf[i] * Lf[i]
-    scale = sumlx / suml2 if suml2 != 0 else _f32(0)
-    best = scale * sumlx
+        L[l0 + n + i] = int(Lf[n + i]) + nmax
+        sumlx_a += wx[i] * Lf[i]
+        sumlx_b += wx[n + i] * Lf[n + i]
+        suml2_a += wv[i] * Lf[i] * Lf[i]
+        suml2_b += wv[n + i] * Lf[n + i] * Lf[n + i]
+    scale_a = sumlx_a / suml2_a if suml2_a != 0 else _f32(0)
+    scale_b = sumlx_b / suml2_b if suml2_b != 0 else _f32(0)
+    best_a = scale_a * sumlx_a
+    best_b = scale_b * sumlx_b
     for step in range(-9, 10):
         if step == 0:
             continue
-        iscale = -(_f32(nmax) + _f32(0.1) * _f32(step)) / mx
-        _signed_levels(x, x0, n, iscale, nmax, Lf)
-        sumlx = _f32(0)
-        suml2 = _f32(0)
+        top = -(_f32(nmax) + _f32(0.1) * _f32(step))
+        _signed_levels(x, x0, n, top / mx_a, nmax, Lf[:n])
+        _signed_levels(x, xb, n, top / mx_b, nmax, Lf[n:])
+        sumlx_a = suml2_a = sumlx_b = suml2_b = _f32(0)
         for i in range(n):
-            sumlx += wx[i] * Lf[i]
-            suml2 += wv[i] * Lf[i] * Lf[i]
-        if suml2 > 0 and sumlx * sumlx > best * suml2:
+            sumlx_a += wx[i] * Lf[i]
+            sumlx_b += wx[n + i] * Lf[n + i]
+            suml2_a += wv[i] * Lf[i] * Lf[i]
+            suml2_b += wv[n + i] * Lf[n + i] * Lf[n + i]
+        if suml2_a > 0 and sumlx_a * sumlx_a > best_a * suml2_a:
             for i in range(n):
                 L[l0 + i] = int(Lf[i]) + nmax
-            scale = sumlx / suml2
-            best = scale * sumlx
-    return scale
+            scale_a = sumlx_a / suml2_a
+            best_a = scale_a * sumlx_a
+        if suml2_b > 0 and sumlx_b * sumlx_b > best_b * suml2_b:
+            for i in range(n):
+                L[l0 + n + i] = int(Lf[n + i]) + nmax
+            scale_b = sumlx_b / suml2_b
+            best_b = scale_b * sumlx_b
+    if zero_a:
+        scale_a = _f32(0)
+        for i in range(n):
+            L[l0 + i] = 0
+    if zero_b:
+        scale_b = _f32(0)
+        for i in range(n):
+            L[l0 + n + i] = 0
+    return scale_a, scale_b
 
 
 @nb.njit(inline="always", **_JIT)
 def _q6_k_block(x, x0, out, o, L, scales, Lf, wv, wx):
     max_scale = _f32(0)
     max_abs_scale = _f32(0)
+    for ib in range(0, 16, 2):
+        scales[ib], scales[ib + 1] = make_qx_pair(x, x0 + 16 * ib, 16, 32, L, 16 * ib, Lf, wv, wx)
     for ib in range(16):
-        s = make_qx_quants_rmse1(x, x0 + 16 * ib, 16, 32, L, 16 * ib, Lf, wv, wx)
-        scales[ib] = s
+        s = scales[ib]
         if abs(s) > max_abs_scale:
             max_abs_scale = abs(s)
             max_scale = s
