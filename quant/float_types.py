@@ -52,9 +52,16 @@ def float_values(raw: np.ndarray, name: str, widen: bool = True) -> np.ndarray:
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (ggml's conversion)."""
     u = x.view(np.uint32)
-    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    r = u >> 16  # one temporary, worked in place: a model's tensors are large
+    r &= np.uint32(1)
+    r += np.uint32(0x7FFF)
+    r += u
+    r >>= np.uint32(16)
+    rounded = r.astype(np.uint16)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
+    if nan.any():  # weights have none, as a rule
+        rounded[nan] = ((u[nan] >> 16) | 64).astype(np.uint16)
+    return rounded
 
 
 def float_rows(x: np.ndarray, qtype: str) -> np.ndarray:
