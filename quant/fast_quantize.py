@@ -172,16 +172,11 @@ def _levels(x, x0, n, iscale, mn, nmax, Lf):
 
 
 @nb.njit(inline="always", **_JIT)
-def make_qkx2_quants(x, x0, n, nmax, w, L, l0, Lf, rmin, rdelta, nstep):
-    """Scale and min of one sub-block x[x0:x0+n] by llama.cpp's search over candidate scales.
-
-    Writes the levels into L[l0:l0+n] and returns (scale, -min); use_mad is always false here.
-    The sums keep C's order (one accumulator each, element by element): their rounding is what
-    picks the candidate.
-    """
+def _min_max_sums(x, x0, n, w, w0):
+    """make_qkx2_quants' first pass: min (at most 0), max, sum of weights, weighted sum."""
     mn = x[x0]
     mx = x[x0]
-    sum_w = w[0]
+    sum_w = w[w0]
     sum_x = sum_w * x[x0]
     for i in range(1, n):
         xi = x[x0 + i]
@@ -189,51 +184,106 @@ def make_qkx2_quants(x, x0, n, nmax, w, L, l0, Lf, rmin, rdelta, nstep):
             mn = xi
         if xi > mx:
             mx = xi
-        sum_w += w[i]
-        sum_x += w[i] * xi
+        sum_w += w[w0 + i]
+        sum_x += w[w0 + i] * xi
     if mn > 0:
         mn = _f32(0)
-    if mx == mn:
+    return mn, mx, sum_w, sum_x
+
+
+@nb.njit(inline="always", **_JIT)
+def _first_error(x, x0, n, w, w0, L, l0, Lf, f0, iscale, mn, nmax, scale):
+    """The levels at the first scale into L[l0:] and their weighted squared error."""
+    _levels(x, x0, n, iscale, mn, nmax, Lf[f0:])
+    error = _f32(0)
+    for i in range(n):
+        L[l0 + i] = int(Lf[f0 + i])
+        diff = scale * Lf[f0 + i] + mn - x[x0 + i]
+        error += w[w0 + i] * (diff * diff)
+    return error
+
+
+@nb.njit(inline="always", **_JIT)
+def _candidate(sum_w, sum_x, sum_l, sum_l2, sum_xl):
+    """(whether C considers it: D > 0, scale, min) of one candidate's least-squares fit."""
+    det = sum_w * sum_l2 - sum_l * sum_l
+    if det > 0:
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        if this_min > 0:
+            this_min = _f32(0)
+            this_scale = sum_xl / sum_l2
+        return True, this_scale, this_min
+    return False, _f32(0), _f32(0)
+
+
+@nb.njit(inline="always", **_JIT)
+def make_qkx2_pair(x, x0, n, nmax, w, L, l0, Lf, rmin, rdelta, nstep):
+    """llama.cpp's make_qkx2_quants (use_mad false) for two sub-blocks side by side:
+    x[x0:x0+n] (weights w[:n], levels into L[l0:]) and the next n values (w[n:2n], L[l0+n:]);
+    Lf is scratch for 2n. Returns (scale, -min) of each.
+
+    One sub-block's sums are chains of dependent additions, the search's time; each sub-block
+    keeps C's order (one accumulator, value by value: its rounding picks the candidate), but the
+    two chains interleave in every loop, so the core overlaps them. A flat sub-block (C returns
+    before the search) runs along with a span of 1, its levels all 0 and D = 0, so its state
+    never changes; its result is C's at the end."""
+    xb = x0 + n
+    mn_a, mx_a, sum_w_a, sum_x_a = _min_max_sums(x, x0, n, w, 0)
+    mn_b, mx_b, sum_w_b, sum_x_b = _min_max_sums(x, xb, n, w, n)
+    flat_a = mx_a == mn_a
+    flat_b = mx_b == mn_b
+    span_a = _f32(1) if flat_a else mx_a - mn_a
+    span_b = _f32(1) if flat_b else mx_b - mn_b
+    iscale_a = _f32(nmax) / span_a
+    iscale_b = _f32(nmax) / span_b
+    scale_a = _f32(1) / iscale_a
+    scale_b = _f32(1) / iscale_b
+    best_a = _first_error(x, x0, n, w, 0, L, l0, Lf, 0, iscale_a, mn_a, nmax, scale_a)
+    best_b = _first_error(x, xb, n, w, n, L, l0 + n, Lf, n, iscale_b, mn_b, nmax, scale_b)
+    for step in range(nstep + 1):
+        top = rmin + rdelta * _f32(step) + _f32(nmax)
+        _levels(x, x0, n, top / (_f32(1) if flat_a else mx_a - mn_a), mn_a, nmax, Lf[:n])
+        _levels(x, xb, n, top / (_f32(1) if flat_b else mx_b - mn_b), mn_b, nmax, Lf[n:])
+        sum_l_a = sum_l2_a = sum_xl_a = _f32(0)
+        sum_l_b = sum_l2_b = sum_xl_b = _f32(0)
+        for i in range(n):
+            la = Lf[i]
+            lb = Lf[n + i]
+            sum_l_a += w[i] * la
+            sum_l_b += w[n + i] * lb
+            sum_l2_a += w[i] * la * la
+            sum_l2_b += w[n + i] * lb * lb
+            sum_xl_a += w[i] * la * x[x0 + i]
+            sum_xl_b += w[n + i] * lb * x[xb + i]
+        ok_a, this_scale_a, this_min_a = _candidate(sum_w_a, sum_x_a, sum_l_a, sum_l2_a, sum_xl_a)
+        ok_b, this_scale_b, this_min_b = _candidate(sum_w_b, sum_x_b, sum_l_b, sum_l2_b, sum_xl_b)
+        if not (ok_a or ok_b):
+            continue
+        error_a = _f32(0)
+        error_b = _f32(0)
+        for i in range(n):
+            diff_a = this_scale_a * Lf[i] + this_min_a - x[x0 + i]
+            diff_b = this_scale_b * Lf[n + i] + this_min_b - x[xb + i]
+            error_a += w[i] * (diff_a * diff_a)
+            error_b += w[n + i] * (diff_b * diff_b)
+        if ok_a and error_a < best_a:
+            for i in range(n):
+                L[l0 + i] = int(Lf[i])
+            best_a, scale_a, mn_a = error_a, this_scale_a, this_min_a
+        if ok_b and error_b < best_b:
+            for i in range(n):
+                L[l0 + n + i] = int(Lf[n + i])
+            best_b, scale_b, mn_b = error_b, this_scale_b, this_min_b
+    if flat_a:
+        scale_a = _f32(0)
         for i in range(n):
             L[l0 + i] = 0
-        return _f32(0), -mn
-    iscale = _f32(nmax) / (mx - mn)
-    scale = _f32(1) / iscale
-    _levels(x, x0, n, iscale, mn, nmax, Lf)
-    best_error = _f32(0)
-    for i in range(n):
-        L[l0 + i] = int(Lf[i])
-        diff = scale * Lf[i] + mn - x[x0 + i]
-        best_error += w[i] * (diff * diff)
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * _f32(step) + _f32(nmax)) / (mx - mn)
-        _levels(x, x0, n, iscale, mn, nmax, Lf)
-        sum_l = _f32(0)
-        sum_l2 = _f32(0)
-        sum_xl = _f32(0)
+    if flat_b:
+        scale_b = _f32(0)
         for i in range(n):
-            lq = Lf[i]
-            sum_l += w[i] * lq
-            sum_l2 += w[i] * lq * lq
-            sum_xl += w[i] * lq * x[x0 + i]
-        det = sum_w * sum_l2 - sum_l * sum_l
-        if det > 0:
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
-            if this_min > 0:
-                this_min = _f32(0)
-                this_scale = sum_xl / sum_l2
-            cur_error = _f32(0)
-            for i in range(n):
-                diff = this_scale * Lf[i] + this_min - x[x0 + i]
-                cur_error += w[i] * (diff * diff)
-            if cur_error < best_error:
-                for i in range(n):
-                    L[l0 + i] = int(Lf[i])
-                best_error = cur_error
-                scale = this_scale
-                mn = this_min
-    return scale, -mn
+            L[l0 + n + i] = 0
+    return scale_a, -mn_a, scale_b, -mn_b
 
 
 @nb.njit(inline="always", **_JIT)
@@ -246,25 +296,26 @@ def _k_scale_min(s, j):
 @nb.njit(inline="always", **_JIT)
 def _qk45_block(x, x0, out, o, nmax, rmin, nstep, L, Laux, w, scales, mins, sc):
     """One Q4_K (nmax 15) or Q5_K (31) super-block: 8 sub-blocks of 32 with 6-bit scale/min."""
+    for pair in range(4):
+        for j in range(2 * pair, 2 * pair + 2):
+            sum_x2 = _f32(0)
+            for l in range(32):
+                v = x[x0 + 32 * j + l]
+                sum_x2 += v * v
+            av_x = np.float32(math.sqrt(sum_x2 / _f32(32)))
+            for l in range(32):
+                w[32 * (j & 1) + l] = av_x + abs(x[x0 + 32 * j + l])
+        j = 2 * pair
+        scales[j], mins[j], scales[j + 1], mins[j + 1] = make_qkx2_pair(
+            x, x0 + 32 * j, 32, nmax, w, L, 32 * j, Laux, rmin, _f32(0.1), nstep
+        )
     max_scale = _f32(0)
     max_min = _f32(0)
     for j in range(8):
-        sum_x2 = _f32(0)
-        for l in range(32):
-            v = x[x0 + 32 * j + l]
-            sum_x2 += v * v
-        av_x = np.float32(math.sqrt(sum_x2 / _f32(32)))
-        for l in range(32):
-            w[l] = av_x + abs(x[x0 + 32 * j + l])
-        s, m = make_qkx2_quants(
-            x, x0 + 32 * j, 32, nmax, w, L, 32 * j, Laux, rmin, _f32(0.1), nstep
-        )
-        scales[j] = s
-        mins[j] = m
-        if s > max_scale:
-            max_scale = s
-        if m > max_min:
-            max_min = m
+        if scales[j] > max_scale:
+            max_scale = scales[j]
+        if mins[j] > max_min:
+            max_min = mins[j]
     inv_scale = _f32(63) / max_scale if max_scale > 0 else _f32(0)
     inv_min = _f32(63) / max_min if max_min > 0 else _f32(0)
     for k in range(12):
@@ -322,10 +373,8 @@ def _signed_levels(x, x0, n, iscale, nmax, Lf):
 
 
 @nb.njit(inline="always", **_JIT)
-def make_qx_quants_rmse1(x, x0, n, nmax, L, l0, Lf, wv, wx):
-    """llama.cpp's make_qx_quants with rmse_type 1 (weights x**2) and no importance matrix.
-    wv and wx are scratch for the weights w = x*x and the products w*x, which C recomputes
-    in every step; the sums keep C's order (sumlx += (w*x)*l, suml2 += (w*l)*l)."""
+def _signed_max(x, x0, n):
+    """(largest magnitude, the first value having it), as C's loop finds them."""
     amax = _f32(0)
     mx = _f32(0)
     for i in range(n):
@@ -333,49 +382,88 @@ def make_qx_quants_rmse1(x, x0, n, nmax, L, l0, Lf, wv, wx):
         if ax > amax:
             amax = ax
             mx = x[x0 + i]
-    if amax < GROUP_MAX_EPS:
-        for i in range(n):
-            L[l0 + i] = 0
-        return _f32(0)
-    for i in range(n):
+    return amax, mx
+
+
+@nb.njit(inline="always", **_JIT)
+def make_qx_pair(x, x0, n, nmax, L, l0, Lf, wv, wx):
+    """llama.cpp's make_qx_quants with rmse_type 1 (weights x**2), no importance matrix, for
+    two sub-blocks side by side: x[x0:x0+n] (levels into L[l0:]) and the next n values
+    (L[l0+n:]); Lf, wv, wx are scratch for 2n (the weights w = x*x and the products w*x, which
+    C recomputes in every step). Returns the two scales.
+
+    Each sub-block's sums keep C's order (sumlx += (w*x)*l, suml2 += (w*l)*l); the two
+    sub-blocks' chains of additions interleave (see make_qkx2_pair). An all-zero sub-block
+    (C returns at once) runs along with a max of 1: its levels are 0 and suml2 stays 0, so
+    nothing of it changes before its result is set at the end."""
+    xb = x0 + n
+    amax_a, mx_a = _signed_max(x, x0, n)
+    amax_b, mx_b = _signed_max(x, xb, n)
+    zero_a = amax_a < GROUP_MAX_EPS
+    zero_b = amax_b < GROUP_MAX_EPS
+    if zero_a:
+        mx_a = _f32(1)
+    if zero_b:
+        mx_b = _f32(1)
+    for i in range(2 * n):
         xi = x[x0 + i]
         wv[i] = xi * xi
         wx[i] = wv[i] * xi
-    iscale = _f32(-nmax) / mx
-    _signed_levels(x, x0, n, iscale, nmax, Lf)
-    sumlx = _f32(0)
-    suml2 = _f32(0)
+    _signed_levels(x, x0, n, _f32(-nmax) / mx_a, nmax, Lf[:n])
+    _signed_levels(x, xb, n, _f32(-nmax) / mx_b, nmax, Lf[n:])
+    sumlx_a = suml2_a = sumlx_b = suml2_b = _f32(0)
     for i in range(n):
         L[l0 + i] = int(Lf[i]) + nmax
-        sumlx += wx[i] * Lf[i]
-        suml2 += wv[i] * Lf[i] * Lf[i]
-    scale = sumlx / suml2 if suml2 != 0 else _f32(0)
-    best = scale * sumlx
+        L[l0 + n + i] = int(Lf[n + i]) + nmax
+        sumlx_a += wx[i] * Lf[i]
+        sumlx_b += wx[n + i] * Lf[n + i]
+        suml2_a += wv[i] * Lf[i] * Lf[i]
+        suml2_b += wv[n + i] * Lf[n + i] * Lf[n + i]
+    scale_a = sumlx_a / suml2_a if suml2_a != 0 else _f32(0)
+    scale_b = sumlx_b / suml2_b if suml2_b != 0 else _f32(0)
+    best_a = scale_a * sumlx_a
+    best_b = scale_b * sumlx_b
     for step in range(-9, 10):
         if step == 0:
             continue
-        iscale = -(_f32(nmax) + _f32(0.1) * _f32(step)) / mx
-        _signed_levels(x, x0, n, iscale, nmax, Lf)
-        sumlx = _f32(0)
-        suml2 = _f32(0)
+        top = -(_f32(nmax) + _f32(0.1) * _f32(step))
+        _signed_levels(x, x0, n, top / mx_a, nmax, Lf[:n])
+        _signed_levels(x, xb, n, top / mx_b, nmax, Lf[n:])
+        sumlx_a = suml2_a = sumlx_b = suml2_b = _f32(0)
         for i in range(n):
-            sumlx += wx[i] * Lf[i]
-            suml2 += wv[i] * Lf[i] * Lf[i]
-        if suml2 > 0 and sumlx * sumlx > best * suml2:
+            sumlx_a += wx[i] * Lf[i]
+            sumlx_b += wx[n + i] * Lf[n + i]
+            suml2_a += wv[i] * Lf[i] * Lf[i]
+            suml2_b += wv[n + i] * Lf[n + i] * Lf[n + i]
+        if suml2_a > 0 and sumlx_a * sumlx_a > best_a * suml2_a:
             for i in range(n):
                 L[l0 + i] = int(Lf[i]) + nmax
-            scale = sumlx / suml2
-            best = scale * sumlx
-    return scale
+            scale_a = sumlx_a / suml2_a
+            best_a = scale_a * sumlx_a
+        if suml2_b > 0 and sumlx_b * sumlx_b > best_b * suml2_b:
+            for i in range(n):
+                L[l0 + n + i] = int(Lf[n + i]) + nmax
+            scale_b = sumlx_b / suml2_b
+            best_b = scale_b * sumlx_b
+    if zero_a:
+        scale_a = _f32(0)
+        for i in range(n):
+            L[l0 + i] = 0
+    if zero_b:
+        scale_b = _f32(0)
+        for i in range(n):
+            L[l0 + n + i] = 0
+    return scale_a, scale_b
 
 
 @nb.njit(inline="always", **_JIT)
 def _q6_k_block(x, x0, out, o, L, scales, Lf, wv, wx):
     max_scale = _f32(0)
     max_abs_scale = _f32(0)
+    for ib in range(0, 16, 2):
+        scales[ib], scales[ib + 1] = make_qx_pair(x, x0 + 16 * ib, 16, 32, L, 16 * ib, Lf, wv, wx)
     for ib in range(16):
-        s = make_qx_quants_rmse1(x, x0 + 16 * ib, 16, 32, L, 16 * ib, Lf, wv, wx)
-        scales[ib] = s
+        s = scales[ib]
         if abs(s) > max_abs_scale:
             max_abs_scale = abs(s)
             max_scale = s
@@ -415,8 +503,8 @@ def _quantize_k(x, out, kind):
     """Rows of x [n_rows, n] into K-quant blocks; kind 0 = Q4_K, 1 = Q5_K, 2 = Q6_K."""
     n_rows, n = x.shape
     L = np.zeros(256, np.int32)  # scratch, reused by every block
-    Laux = np.zeros(32, np.float32)
-    w = np.zeros(32, np.float32)
+    Laux = np.zeros(64, np.float32)  # two sub-blocks' worth (make_qkx2_pair)
+    w = np.zeros(64, np.float32)
     wx = np.zeros(32, np.float32)
     scales = np.zeros(16, np.float32)
     mins = np.zeros(8, np.float32)
@@ -438,30 +526,6 @@ def _quantize_k(x, out, kind):
 
 
 _KIND_K = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
-
-
-@nb.njit(**_JIT)
-def _widen_f16(h, bits, values):
-    """bits and values: uint32 and float32 views of one output. The first loop has no
-    branch, so that it vectorizes; zeros and subnormals, rare in weights, are redone after."""
-    for i in range(h.size):
-        x = np.uint32(h[i])
-        magnitude = (x & 0x7FFF) << 13
-        rebias = 0x70000000 if x & 0x7C00 == 0x7C00 else 0x38000000  # inf/NaN: exponent 255
-        bits[i] = ((x & 0x8000) << 16) | (magnitude + rebias)
-    for i in range(h.size):
-        x = h[i]
-        if x & 0x7C00 == 0:  # zero or subnormal: a whole number of 2**-24
-            v = np.float32(x & 0x3FF) * np.float32(2.0**-24)
-            values[i] = -v if x & 0x8000 else v
-
-
-def widen_f16(raw: np.ndarray) -> np.ndarray:
-    """F16 bytes to float32, exactly (what NumPy's astype does, several times faster)."""
-    h = np.ascontiguousarray(raw).reshape(-1).view("<u2")
-    out = np.empty(h.size, np.float32)
-    _widen_f16(h, out.view(np.uint32), out)
-    return out
 
 
 def quantize_rows(x: np.ndarray, qtype: str | int) -> np.ndarray:

@@ -29,8 +29,10 @@ from fastrun.quant.recipes import FileType, TypeChooser, file_type, llama_order
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: the block layouts of this generation
 SLAB_VALUES = 1 << 20  # floats per unit of work (4 MiB): fine enough to spread over threads
-WINDOW_SLABS = 16  # slabs converted ahead of the one written next (at most 64 MiB of output)
-WARM_SWITCH_INTERVAL = 2e-4  # seconds; Python's default is 5 ms
+# Converted output waiting for its turn to be written: enough for a small model's NumPy tensors
+# to run ahead (whole) while Numba loads for its K-quant tensors; a bound on memory otherwise
+WINDOW_BYTES = 256 << 20
+WARM_SWITCH_INTERVAL = 3e-5  # seconds (Python's default is 5 ms): see _warm_numba
 
 
 @dataclass
@@ -61,9 +63,12 @@ class TensorJob:
 def open_source(path: str | os.PathLike):
     """The input: a GGUF file, or a Hugging Face folder read as the GGUF that llama.cpp's
     convert_hf_to_gguf.py would make of it (formats/hf_model.py)."""
-    from fastrun.formats.hf_model import HFModel, is_hf_folder
+    if os.path.isdir(path):  # the Hugging Face reader's imports stay out of a GGUF run
+        from fastrun.formats.hf_model import HFModel, is_hf_folder
 
-    return HFModel(path) if is_hf_folder(path) else GGUFFile(path)
+        if is_hf_folder(path):
+            return HFModel(path)
+    return GGUFFile(path)
 
 
 def plan(src, ftype: FileType) -> list[TensorJob]:
@@ -133,11 +138,9 @@ def _slab_bytes(job: TensorJob, slab: np.ndarray) -> np.ndarray:
         else:
             x = _dequantized(slab, source, rows * n_cols)
         return quantize_blocks32(x.reshape(rows, n_cols), target)
-    from fastrun.quant.fast_quantize import quantize_rows, widen_f16
+    from fastrun.quant.fast_quantize import quantize_rows
 
-    if source == "F16":
-        x = widen_f16(slab)  # several times faster than NumPy's astype
-    elif source in FLOAT_TYPES:
+    if source in FLOAT_TYPES:
         x = float_values(slab, source)
     else:
         x = _dequantized(slab, source, rows * n_cols)
@@ -171,9 +174,8 @@ def _warm_numba(jobs: list[TensorJob]) -> None:
     interval = sys.getswitchinterval()
     sys.setswitchinterval(WARM_SWITCH_INTERVAL)
     try:
-        from fastrun.quant.fast_quantize import quantize_rows, widen_f16
+        from fastrun.quant.fast_quantize import quantize_rows
 
-        widen_f16(np.zeros(2, np.uint8))
         for name in {j.target.format.name for j in jobs if _needs_numba(j)} - set(BLOCK_BYTES):
             if name not in FLOAT_TYPES:
                 n = block_format(name).block_size
@@ -216,19 +218,22 @@ def _convert_all(src, jobs: list[TensorJob], writer: GGUFWriter, threads: int, a
     Slabs that need Numba wait for it to load (on a side thread) without holding a worker, so
     the window runs ahead on the NumPy tensors meanwhile."""
     window: deque = deque()
+    pending = 0  # bytes of output in the window
     warm = ThreadPoolExecutor(max_workers=1) if any(_needs_numba(j) for j in jobs) else None
     numba_ready = warm.submit(_warm_numba, jobs) if warm is not None else None
     with ThreadPoolExecutor(max_workers=threads) as pool:
         try:
             for job, slab in _slabs(src, jobs):
                 ready = numba_ready if _needs_numba(job) else None
-                window.append((job, _after(ready, pool, _slab_bytes, job, slab)))
-                if len(window) >= max(2 * threads, WINDOW_SLABS):
-                    _write_done(window.popleft(), writer, advance)
+                n_bytes = slab.shape[0] * job.target.format.row_bytes(job.source.shape[0])
+                window.append((job, _after(ready, pool, _slab_bytes, job, slab), n_bytes))
+                pending += n_bytes
+                while len(window) > 2 * threads and pending > WINDOW_BYTES:
+                    pending -= _write_done(window.popleft(), writer, advance)
             while window:
                 _write_done(window.popleft(), writer, advance)
         except BaseException:
-            for _, future in window:
+            for _, future, _ in window:
                 future.cancel()
             raise
         finally:
@@ -236,11 +241,13 @@ def _convert_all(src, jobs: list[TensorJob], writer: GGUFWriter, threads: int, a
                 warm.shutdown(wait=False)
 
 
-def _write_done(item, writer: GGUFWriter, advance) -> None:
-    job, future = item
+def _write_done(item, writer: GGUFWriter, advance) -> int:
+    """Write one slab once converted; its size in bytes."""
+    job, future, n_bytes = item
     out = future.result()
     writer.write_tensor(job.target.name, out)
     advance(out.size // job.target.format.block_bytes * job.target.format.block_size, job)
+    return n_bytes
 
 
 def quantize_model(

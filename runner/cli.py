@@ -3,7 +3,6 @@ register on runner/app.py's app; user mistakes become one `fastrun: error:` line
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import threading
@@ -94,6 +93,8 @@ def info(
     """Show a model's architecture, size, tensor types and tokenizer."""
     data = model_info(resolve(model))
     if as_json:
+        import json  # here: the other commands never load it
+
         typer.echo(json.dumps(data))
         return
     from rich.table import Table

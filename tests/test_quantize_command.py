@@ -14,6 +14,7 @@ from helpers import write_tiny_model
 
 from fastrun.formats import GGUFFile
 from fastrun.quant.fast_quantize import quantize_rows
+from fastrun.quant.float_types import widen_f16
 from fastrun.quant.numpy_quantize import BLOCK_BYTES, HALF_BELOW, quantize_blocks32
 from fastrun.quant.reference import dequantize_ref, quantize_ref
 from fastrun.runner.cli import main
@@ -71,8 +72,18 @@ def test_numpy_roundf_is_half_away_from_zero():
     assert np.array_equal(np.trunc(v + np.copysign(HALF_BELOW, v)), exact)
 
 
+def test_widen_f16_is_numpys_cast():
+    """The bit-arithmetic F16 widening gives NumPy's float32 for every half: subnormals, zeros
+    of both signs, and (through the fallback) infinities and NaNs."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    for h in (halves[np.isfinite(halves)], halves):
+        out = widen_f16(h, np.empty(h.size, np.float32))
+        assert np.array_equal(out.view(np.uint32), h.astype(np.float32).view(np.uint32))
+
+
 def test_plain_types_import_no_numba(f32_model, tmp_path):
-    """Q8_0 and the other 32-blocks from a float model run on NumPy alone: no Numba import."""
+    """Q8_0 and the other 32-blocks from a float model run on NumPy alone: no Numba import,
+    and no pydantic (which some typer versions import to check the arguments)."""
     code = textwrap.dedent(
         f"""
         import sys
@@ -80,6 +91,7 @@ def test_plain_types_import_no_numba(f32_model, tmp_path):
         assert main(["quantize", {str(f32_model)!r}, {str(tmp_path / "q.gguf")!r},
                      "--type", "Q8_0"]) == 0
         assert "numba" not in sys.modules, "numba imported"
+        assert "pydantic" not in sys.modules, "pydantic imported"
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True)
