@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba.extending import overload
 
 from fastrun.backends.cpu.activations import quantize
 from fastrun.backends.cpu.cache import drop_stale_cache
@@ -110,24 +111,38 @@ def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
         _tile1(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
 
 
-@nb.njit(parallel=True, **_JIT)
-def matmul_q(w, xq, xd, xs, isum, out, fmt, block_size):
-    """Quantized weight tiles of format FORMATS[fmt] times quantized
-    activations; out [n, out_columns(w)]."""
-    n_blocks = xq.shape[1] // block_size
-    for u in nb.prange(w.shape[0]):
-        _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks)
+# The most weights that share one activation (Q, K and V). Every product runs through one
+# parallel kernel over a tuple of this many weights, fewer padded with empty ones: one
+# compiled instance of the tile loops, where a kernel per tuple length compiled three (a
+# third of a cold start's compile time).
+MANY = 3
+
+
+def _padded(ws):
+    """ws (a tuple of 1..MANY arrays) padded to MANY with empty views of its first."""
+
+
+@overload(_padded, jit_options=dict(cache=True))
+def _padded_impl(ws):
+    if ws.count == MANY:
+        return lambda ws: ws
+    if ws.count == 2:
+        return lambda ws: (ws[0], ws[1], ws[0][:0])
+    if ws.count == 1:
+        return lambda ws: (ws[0], ws[0][:0], ws[0][:0])
+    raise TypeError(f"{ws.count} weights: between 1 and {MANY} share one activation")
 
 
 @nb.njit(parallel=True, **_JIT)
 def matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size):
-    """Several weights (a tuple) of one activation format times the same activations: one
-    thread launch for, say, Q, K and V. fmts int64 [len(ws)]; outs a tuple of [n, n_out_i]."""
+    """MANY weights (a tuple; empty ones take no time) of one activation format times the
+    same activations, in one thread launch. fmts int64 [MANY]: each one's FORMATS index;
+    outs a tuple of [n, out_columns(ws[i])]."""
     n_blocks = xq.shape[1] // block_size
-    starts = np.zeros(len(ws) + 1, np.int64)  # first global unit of each weight
-    for i in range(len(ws)):
+    starts = np.zeros(MANY + 1, np.int64)  # first global unit of each weight
+    for i in range(MANY):
         starts[i + 1] = starts[i] + ws[i].shape[0]
-    for g in nb.prange(starts[len(ws)]):
+    for g in nb.prange(starts[MANY]):
         i = 0
         while g >= starts[i + 1]:
             i += 1
@@ -135,22 +150,27 @@ def matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size):
 
 
 @nb.njit(**_JIT)
-def qmatmul(w, x, fmt, block_size, q8k):
-    """x float32 [n, n_in] times weight rows w of FORMATS[fmt]: quantize, multiply, in one
-    call from Python (a decode step makes hundreds of these)."""
+def qmatmul_many(ws, x, fmts, block_size, q8k):
+    """Several weights (a tuple of 1..MANY) sharing one activation format: one quantization,
+    one thread launch; a list of their outputs. fmts int64 [len(ws)]."""
     xq, xd, xs, isum = quantize(x, q8k)
-    out = np.empty((x.shape[0], out_columns(w)), np.float32)
-    matmul_q(w, xq, xd, xs, isum, out, fmt, block_size)
-    return out
+    w3 = _padded(ws)
+    fmts3 = np.zeros(MANY, np.int64)
+    fmts3[: len(fmts)] = fmts
+    outs = (
+        np.empty((x.shape[0], out_columns(w3[0])), np.float32),
+        np.empty((x.shape[0], out_columns(w3[1])), np.float32),
+        np.empty((x.shape[0], out_columns(w3[2])), np.float32),
+    )
+    matmul_q_many(w3, fmts3, xq, xd, xs, isum, outs, block_size)
+    return [outs[i] for i in range(len(ws))]
 
 
 @nb.njit(**_JIT)
-def qmatmul_many(ws, x, fmts, block_size, q8k):
-    """Several weights sharing one activation format: one quantization, one thread launch."""
-    xq, xd, xs, isum = quantize(x, q8k)
-    outs = [np.empty((x.shape[0], out_columns(ws[i])), np.float32) for i in range(len(ws))]
-    matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size)
-    return outs
+def qmatmul(w, x, fmt, block_size, q8k):
+    """x float32 [n, n_in] times weight rows w of FORMATS[fmt]: quantize, multiply, in one
+    call from Python (a decode step makes hundreds of these)."""
+    return qmatmul_many((w,), x, np.full(1, fmt, np.int64), block_size, q8k)[0]
 
 
 @nb.njit(parallel=True, **_JIT)
