@@ -149,14 +149,15 @@ def matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size):
         _unit(fmts[i], ws[i], g - starts[i], xq, xd, xs, isum, outs[i], n_blocks)
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
 def qmatmul_many(ws, x, fmts, block_size, q8k):
     """Several weights (a tuple of 1..MANY) sharing one activation format: one quantization,
     one thread launch; a list of their outputs. fmts int64 [len(ws)]."""
     xq, xd, xs, isum = quantize(x, q8k)
     w3 = _padded(ws)
     fmts3 = np.zeros(MANY, np.int64)
-    fmts3[: len(fmts)] = fmts
+    for i in range(len(fmts)):  # a loop: a slice assignment compiles a shape-error path
+        fmts3[i] = fmts[i]
     outs = (
         np.empty((x.shape[0], out_columns(w3[0])), np.float32),
         np.empty((x.shape[0], out_columns(w3[1])), np.float32),
@@ -166,7 +167,7 @@ def qmatmul_many(ws, x, fmts, block_size, q8k):
     return [outs[i] for i in range(len(ws))]
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
 def qmatmul(w, x, fmt, block_size, q8k):
     """x float32 [n, n_in] times weight rows w of FORMATS[fmt]: quantize, multiply, in one
     call from Python (a decode step makes hundreds of these)."""
