@@ -228,11 +228,14 @@ def test_kernels_use_vector_instructions():
     from fastrun.backends.cpu import matmul, simd
     from fastrun.backends.cpu.activations import quantize_rows
 
-    kernel = numba.njit(parallel=True, fastmath=True)(matmul.matmul_q.py_func)
+    kernel = numba.njit(parallel=True, fastmath=True)(matmul.matmul_q_many.py_func)
     raw = random_blocks("Q4_K", 8, 256, np.random.default_rng(0))
     tiles = get_backend("cpu").load_weight(raw, "Q4_K", 8, 256).kernel_bytes
     xq, xd, xs, isum = quantize_rows(np.ones((1, 256), np.float32), "Q8_K")
-    kernel(tiles, xq, xd, xs, isum, np.empty((1, 8), np.float32), matmul.FORMATS.index("Q4_K"), 256)
+    fmts = np.full(matmul.MANY, matmul.FORMATS.index("Q4_K"), np.int64)
+    ws = (tiles, tiles[:0], tiles[:0])
+    outs = tuple(np.empty((1, cols), np.float32) for cols in (8, 0, 0))
+    kernel(ws, fmts, xq, xd, xs, isum, outs, 256)
     asm = "".join(kernel.inspect_asm().values())
     if simd.HAS_AVX2:
         assert "vpmaddubsw" in asm and "vpmaddwd" in asm and "vcvtph2ps" in asm

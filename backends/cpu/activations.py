@@ -70,7 +70,7 @@ def quantize_q8_k(x, xq, xd, bsums):
             xd[t, b] = np.float32(1) / iscale
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
 def quantize(x, q8k):
     """Activations as the dot kernels take them: (xq int8 [n, k], xd scales, xs scaled block
     sums, isum integer block sums); Q8_K when q8k, else Q8_0/Q8_1."""

@@ -16,7 +16,7 @@ drop_stale_cache("fused", ("matmul.py", "ops.py", "activations.py", "simd.py", "
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
 def norm_qmatmul_many(ws, x, weight, eps, fmts, block_size, q8k):
     """qmatmul_many(ws, rms_norm(x, weight, eps))."""
     normed = np.empty_like(x)

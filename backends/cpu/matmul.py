@@ -5,13 +5,14 @@ kernels). Shapes: w [tiles, tile bytes] uint8, xq [n, n_in] int8, xd
 per-block activation scales, xs fp16-rounded scaled block sums (Q8_1), isum integer block
 sums (Q8_0) or 16-value sums (Q8_K), out [n, n_out] (n_out a multiple of 8 for tiles: rows
 past a weight's own are zero padding, which the backend slices off). Threads split the
-tiles; each weight vector is unpacked once per 4 tokens.
+tiles; each weight vector is unpacked once per 4 tokens (2 or 1 for the rest).
 """
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba.extending import overload
 
 from fastrun.backends.cpu.activations import quantize
 from fastrun.backends.cpu.cache import drop_stale_cache
@@ -25,10 +26,11 @@ _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_mode
 # (tiles.py); `fmt` below indexes this tuple, the order of the branches of _tile1/_tile4.
 FORMATS = tuple(TILE_FORMATS)
 assert FORMATS == ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-(_Q40_1, _Q40_4), (_Q41_1, _Q41_4), (_Q50_1, _Q50_4), (_Q80_1, _Q80_4) = (
-    TILE_PRODUCTS[name] for name in FORMATS[:4]
+(_Q40_1, _Q40_2, _Q40_4), (_Q41_1, _Q41_2, _Q41_4), (_Q50_1, _Q50_2, _Q50_4) = (
+    TILE_PRODUCTS[name] for name in FORMATS[:3]
 )
-(_Q4K_1, _Q4K_4), (_Q5K_1, _Q5K_4), (_Q6K_1, _Q6K_4) = (TILE_PRODUCTS[n] for n in FORMATS[4:])
+(_Q80_1, _Q80_2, _Q80_4), (_Q4K_1, _Q4K_2, _Q4K_4) = (TILE_PRODUCTS[n] for n in FORMATS[3:5])
+(_Q5K_1, _Q5K_2, _Q5K_4), (_Q6K_1, _Q6K_2, _Q6K_4) = (TILE_PRODUCTS[n] for n in FORMATS[5:])
 
 
 @nb.njit(inline="always", **_JIT)
@@ -56,6 +58,24 @@ def _tile1(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
 
 
 @nb.njit(inline="always", **_JIT)
+def _tile2(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
+    if fmt == 0:
+        _Q40_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 1:
+        _Q41_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 2:
+        _Q50_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 3:
+        _Q80_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 4:
+        _Q4K_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 5:
+        _Q5K_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    else:
+        _Q6K_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+
+
+@nb.njit(inline="always", **_JIT)
 def _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
     if fmt == 0:
         _Q40_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
@@ -76,7 +96,7 @@ def _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
 @nb.njit(inline="always", **_JIT)
 def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
     """Tile u of weight w (8 output rows) times every activation row; 4 activation rows at
-    a time share each unpacked weight vector."""
+    a time share each unpacked weight vector, then 2 and 1 for the rest."""
     n = xq.shape[0]
     o0 = u * TILE_ROWS
     tile = w[u]
@@ -84,52 +104,74 @@ def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
     while t + 4 <= n:
         _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
         t += 4
-    while t < n:
+    if t + 2 <= n:
+        _tile2(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+        t += 2
+    if t < n:
         _tile1(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-        t += 1
 
 
-@nb.njit(parallel=True, **_JIT)
-def matmul_q(w, xq, xd, xs, isum, out, fmt, block_size):
-    """Quantized weight tiles of format FORMATS[fmt] times quantized
-    activations; out [n, out_columns(w)]."""
-    n_blocks = xq.shape[1] // block_size
-    for u in nb.prange(w.shape[0]):
-        _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks)
+# The most weights that share one activation (Q, K and V). Every product runs through one
+# parallel kernel over a tuple of this many weights, fewer padded with empty ones: one
+# compiled instance of the tile loops, where a kernel per tuple length compiled three (a
+# third of a cold start's compile time).
+MANY = 3
+
+
+def _padded(ws):
+    """ws (a tuple of 1..MANY arrays) padded to MANY with empty views of its first."""
+
+
+@overload(_padded, jit_options=dict(cache=True))
+def _padded_impl(ws):
+    if ws.count == MANY:
+        return lambda ws: ws
+    if ws.count == 2:
+        return lambda ws: (ws[0], ws[1], ws[0][:0])
+    if ws.count == 1:
+        return lambda ws: (ws[0], ws[0][:0], ws[0][:0])
+    raise TypeError(f"{ws.count} weights: between 1 and {MANY} share one activation")
 
 
 @nb.njit(parallel=True, **_JIT)
 def matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size):
-    """Several weights (a tuple) of one activation format times the same activations: one
-    thread launch for, say, Q, K and V. fmts int64 [len(ws)]; outs a tuple of [n, n_out_i]."""
+    """MANY weights (a tuple; empty ones take no time) of one activation format times the
+    same activations, in one thread launch. fmts int64 [MANY]: each one's FORMATS index;
+    outs a tuple of [n, out_columns(ws[i])]."""
     n_blocks = xq.shape[1] // block_size
-    starts = np.zeros(len(ws) + 1, np.int64)  # first global unit of each weight
-    for i in range(len(ws)):
+    starts = np.zeros(MANY + 1, np.int64)  # first global unit of each weight
+    for i in range(MANY):
         starts[i + 1] = starts[i] + ws[i].shape[0]
-    for g in nb.prange(starts[len(ws)]):
+    for g in nb.prange(starts[MANY]):
         i = 0
         while g >= starts[i + 1]:
             i += 1
         _unit(fmts[i], ws[i], g - starts[i], xq, xd, xs, isum, outs[i], n_blocks)
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
+def qmatmul_many(ws, x, fmts, block_size, q8k):
+    """Several weights (a tuple of 1..MANY) sharing one activation format: one quantization,
+    one thread launch; a list of their outputs. fmts int64 [len(ws)]."""
+    xq, xd, xs, isum = quantize(x, q8k)
+    w3 = _padded(ws)
+    fmts3 = np.zeros(MANY, np.int64)
+    for i in range(len(fmts)):  # a loop: a slice assignment compiles a shape-error path
+        fmts3[i] = fmts[i]
+    outs = (
+        np.empty((x.shape[0], out_columns(w3[0])), np.float32),
+        np.empty((x.shape[0], out_columns(w3[1])), np.float32),
+        np.empty((x.shape[0], out_columns(w3[2])), np.float32),
+    )
+    matmul_q_many(w3, fmts3, xq, xd, xs, isum, outs, block_size)
+    return [outs[i] for i in range(len(ws))]
+
+
+@nb.njit(inline="always", **_JIT)
 def qmatmul(w, x, fmt, block_size, q8k):
     """x float32 [n, n_in] times weight rows w of FORMATS[fmt]: quantize, multiply, in one
     call from Python (a decode step makes hundreds of these)."""
-    xq, xd, xs, isum = quantize(x, q8k)
-    out = np.empty((x.shape[0], out_columns(w)), np.float32)
-    matmul_q(w, xq, xd, xs, isum, out, fmt, block_size)
-    return out
-
-
-@nb.njit(**_JIT)
-def qmatmul_many(ws, x, fmts, block_size, q8k):
-    """Several weights sharing one activation format: one quantization, one thread launch."""
-    xq, xd, xs, isum = quantize(x, q8k)
-    outs = [np.empty((x.shape[0], out_columns(ws[i])), np.float32) for i in range(len(ws))]
-    matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size)
-    return outs
+    return qmatmul_many((w,), x, np.full(1, fmt, np.int64), block_size, q8k)[0]
 
 
 @nb.njit(parallel=True, **_JIT)
