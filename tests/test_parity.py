@@ -187,11 +187,14 @@ def test_matmul_many(backend, types):
         )
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize(
+    "qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "F32"]
+)
 def test_each_row_of_a_product_is_the_product_of_that_row_alone(qtype):
     """CPU batch invariance at the kernel: a row's product has the same bits alone, in a
     4-row group of a tile product or among its leftovers; 44 outputs: a tile of 8 rows with
-    4 padding rows (tiles.py), its padding sliced off."""
+    4 padding rows (tiles.py; float weights: a tile of 32 and one of 12 rows and 20 padding,
+    float_tiles.py), the padding sliced off."""
     cpu = get_backend("cpu")
     rng = np.random.default_rng(seed_of(qtype, "rows"))
     raw = random_blocks(qtype, 44, 512, rng)

@@ -130,15 +130,3 @@ def qmatmul_many(ws, x, fmts, block_size, q8k):
     outs = [np.empty((x.shape[0], out_columns(ws[i])), np.float32) for i in range(len(ws))]
     matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size)
     return outs
-
-
-@nb.njit(parallel=True, **_JIT)
-def matmul_f32(w, x, out):
-    """w float32 [n_out, n_in] times x [n, n_in]; fp16 weights arrive already widened."""
-    n, n_in = x.shape
-    for o in nb.prange(w.shape[0]):
-        for t in range(n):
-            acc = np.float32(0)
-            for i in range(n_in):
-                acc += w[o, i] * x[t, i]
-            out[t, o] = acc
