@@ -19,7 +19,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fastrun.backends.cpu.cache import drop_stale_cache
-from fastrun.backends.cpu.simd import counted_loop, vec
+from fastrun.backends.cpu.simd import counted_loop, f16_round, vec
 
 drop_stale_cache("float_tiles", ("simd.py",))
 
@@ -30,14 +30,51 @@ _I64 = ir.IntType(64)
 _V8F = vec(_F32, 8)
 
 
-def to_float_tiles(dense: np.ndarray) -> np.ndarray:
-    """float32 [n_out, n_in] -> tiles [ceil(n_out / 32), n_in, 32]; rows past n_out are
-    zeros (their outputs, sliced off by the caller, are 0)."""
-    n_out, n_in = dense.shape
-    n_tiles = -(-n_out // FLOAT_TILE_ROWS)
-    tiles = np.zeros((n_tiles * FLOAT_TILE_ROWS, n_in), np.float32)
-    tiles[:n_out] = dense
-    return np.ascontiguousarray(tiles.reshape(n_tiles, FLOAT_TILE_ROWS, n_in).transpose(0, 2, 1))
+@intrinsic
+def _widen(typingctx, bits, kind):
+    """A uint16 F16 (kind 0) or BF16 (kind 1) value, or a uint32 F32 one, as float32."""
+
+    def codegen(context, builder, sig, args):
+        value, is_bf16 = args
+        if value.type.width == 32:
+            return builder.bitcast(value, _F32)
+        half = builder.fpext(builder.bitcast(value, ir.HalfType()), _F32)
+        shifted = builder.shl(builder.zext(value, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.select(
+            builder.icmp_signed("!=", is_bf16, ir.Constant(is_bf16.type, 0)),
+            builder.bitcast(shifted, _F32),
+            half,
+        )
+
+    return types.float32(bits, kind), codegen
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
+def _widen_into_tiles(raw, kind, out):
+    """raw [n_out, n_in] of F16/BF16 (uint16, kind 0/1) or F32 (uint32) bits -> out float32
+    [tiles, n_in, 32], row r of tile u at out[u, :, r]; rows past n_out zero."""
+    n_out, n_in = raw.shape
+    for u in nb.prange(out.shape[0]):
+        rows = min(FLOAT_TILE_ROWS, n_out - u * FLOAT_TILE_ROWS)
+        for i in range(n_in):  # the tile written in order, its 32 rows read side by side
+            for r in range(rows):
+                out[u, i, r] = _widen(raw[u * FLOAT_TILE_ROWS + r, i], kind)
+            for r in range(rows, FLOAT_TILE_ROWS):
+                out[u, i, r] = 0
+
+
+_BITS = {"F16": (np.uint16, 0), "BF16": (np.uint16, 1), "F32": (np.uint32, 0)}
+
+
+def to_float_tiles(raw: np.ndarray, qtype: str, n_out: int, n_in: int) -> np.ndarray:
+    """Raw F32/F16/BF16 rows [n_out, row bytes] -> float32 tiles [ceil(n_out / 32), n_in, 32],
+    in one parallel pass; rows past n_out are zeros (outputs the caller slices off)."""
+    dtype, kind = _BITS[qtype]
+    bits = np.ascontiguousarray(raw).view(dtype).reshape(n_out, n_in)
+    shape = (-(-n_out // FLOAT_TILE_ROWS), n_in, FLOAT_TILE_ROWS)
+    out = np.empty(shape, np.float32)
+    _widen_into_tiles(bits, np.int64(kind), out)
+    return out
 
 
 def _make_float_tile_product(n_tok: int):
@@ -99,6 +136,26 @@ def _splat(builder, value):
 
 
 _TILE1, _TILE4 = _make_float_tile_product(1), _make_float_tile_product(4)
+
+
+@nb.njit(nogil=True, cache=True, boundscheck=False)
+def matmul_float(tiles, x, round_f16):
+    """x float32 [n, n_in] times the tiles: [n, 32 * units]; round_f16: the activations
+    rounded to fp16 first, as llama.cpp multiplies fp16 weights."""
+    if round_f16:
+        x = _rounded_f16(x)
+    out = np.empty((x.shape[0], tiles.shape[0] * FLOAT_TILE_ROWS), np.float32)
+    matmul_float_tiles(tiles, x, out)
+    return out
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
+def _rounded_f16(x):
+    out = np.empty_like(x)
+    for t in nb.prange(x.shape[0]):
+        for i in range(x.shape[1]):
+            out[t, i] = f16_round(x[t, i])
+    return out
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False)

@@ -9,7 +9,6 @@ import numpy as np
 from fastrun.backends.base import Weight
 from fastrun.backends.cpu import float_tiles, matmul, tile_cache, tiles
 from fastrun.formats.errors import FastrunError
-from fastrun.quant import dequantize
 from fastrun.quant.formats import block_format
 
 
@@ -24,8 +23,7 @@ class CPUWeight(Weight):
         self.raw = raw
         self._kernel_bytes = None
         if qtype in ("F32", "F16", "BF16"):  # float weights: float32 tiles of 32 rows
-            dense = dequantize(raw, qtype, n_out * n_in).reshape(n_out, n_in)
-            self.float_tiles = float_tiles.to_float_tiles(dense)
+            self.float_tiles = float_tiles.to_float_tiles(raw, qtype, n_out, n_in)
         elif qtype in matmul.FORMATS:
             self.kernel = matmul.FORMATS.index(qtype)
         else:
