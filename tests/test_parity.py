@@ -355,6 +355,27 @@ def test_attention_of_a_prefill_sized_batch(backend, hd):
     assert_attention_close(host(backend, got), expect, v_ref)
 
 
+@pytest.mark.parametrize("hd, window, ring", [(64, 0, 0), (96, 0, 0), (64, 20, 32)])
+def test_each_token_attends_alone_as_in_a_batch(hd, window, ring):
+    """CPU batch invariance of attention: a prefill-sized batch shares each key row among
+    the query heads of a KV head (ops.attention), a lone token does not; the bits are the
+    same. hd 96: the value sums' portable loop; a ring: its rows visited in two runs."""
+    cpu = get_backend("cpu")
+    rng = np.random.default_rng(21)
+    hk, h, n = 2, 6, 40
+    rows = ring if ring else 64
+    k = rng.standard_normal((rows, hk, hd)).astype(np.float16).astype(np.float32)
+    v = rng.standard_normal((rows, hk, hd)).astype(np.float16).astype(np.float32)
+    q = rng.standard_normal((n, h, hd)).astype(np.float32)
+    pos = np.arange(10, 10 + n, dtype=np.int32)
+    offsets = np.full(n, 7 if ring else 0, np.int32)
+    args = (hd**-0.5, None, window, 0.0, ring)
+    together = cpu.attention(q, k, v, pos, *args, offsets)
+    for i in range(n):
+        alone = cpu.attention(q[i : i + 1], k, v, pos[i : i + 1], *args, offsets[i : i + 1])
+        np.testing.assert_array_equal(alone[0], together[i])
+
+
 def _filled_cache(backend, rng, layers, rows, hk, hd):
     """Reference and backend caches [layers, rows, hk, hd] holding the same random values."""
     ref_kv = (ref.zeros((layers, rows, hk, hd)), ref.zeros((layers, rows, hk, hd)))

@@ -125,6 +125,9 @@ def _next_row(s, start, ring):
     return s
 
 
+_MANY_TASKS = 64  # (token, KV head) pairs enough to share out among threads
+
+
 @nb.njit(inline="always", **_JIT)
 def _balanced_token(i, n):
     """The token of task row i of n: 0, n-1, 1, n-2, ... A causal prefill's token t reads
@@ -135,8 +138,8 @@ def _balanced_token(i, n):
 
 @nb.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ring, offsets, out):
-    """Causal attention over the cache, one (token, KV head) pair per task: its query heads
-    share each key and value row read.
+    """Causal attention over the cache, one (token, KV head) pair per task where there are
+    many: its query heads share each key and value row read; else one (token, head).
 
     q [n, h, hd], k_cache/v_cache [c, hk, hd], positions and starts (each query's first cache
     row) int32 [n], out [n, h, hd]; window > 0: only the last `window` positions; softcap >
@@ -149,15 +152,18 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ri
     Memory is one score per key per head: no n x n matrix, whatever the prompt length.
     """
     n, h, hd = q.shape
-    hk = k_cache.shape[1]
-    group = h // hk
-    for task in nb.prange(n * hk):
-        t = _balanced_token(task // hk, n)
-        kv = task % hk
+    # a task: the query heads of one KV head (a prefill), or one head where that leaves
+    # threads idle (a decode step: as many tasks as heads)
+    group = h // k_cache.shape[1] if n * k_cache.shape[1] >= _MANY_TASKS else 1
+    n_groups = h // group
+    for task in nb.prange(n * n_groups):
+        t = _balanced_token(task // n_groups, n)
+        head0 = (task % n_groups) * group  # its first query head
+        kv = head0 // (h // k_cache.shape[1])
         qf = np.empty((group, hd), np.float32)
         for g in range(group):
             for i in range(hd):
-                qf[g, i] = f16_round(q[t, kv * group + g, i])  # fp16 K times fp16 Q
+                qf[g, i] = f16_round(q[t, head0 + g, i])  # fp16 K times fp16 Q
         lo = max(0, positions[t] - window + 1) if window > 0 else 0
         first = starts[t] + (lo if ring <= 0 else (lo + offsets[t]) % ring)  # row of lo
         length = positions[t] - lo + 1
@@ -191,7 +197,7 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ri
             _weighted_rows(scores[g], 0, v_cache, first, run, kv, acc[g])
             _weighted_rows(scores[g], run, v_cache, starts[t], length - run, kv, acc[g])
             for i in range(hd):
-                out[t, kv * group + g, i] = acc[g, i]
+                out[t, head0 + g, i] = acc[g, i]
 
 
 @nb.njit(inline="always", **_JIT)
