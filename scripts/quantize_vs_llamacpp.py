@@ -9,9 +9,13 @@ registry. Steps, each printed as it finishes and gathered in one JSON report:
    and per tensor type the share of identical blocks;
 3. every output loaded by both programs: perplexity on the first chunk;
 4. perplexity of the F16 file and both Q4_K_M files on the license texts, -c 512, with tokens
-   per second for both programs.
+   per second for both programs, run against run (alternating, --repeats times, medians): over
+   the whole process (load included) and over the evaluation alone (fastrun prints its own;
+   llama-perplexity's is the time between its log lines "tokenization took" and "Final
+   estimate", which it stamps).
 
     python scripts/quantize_vs_llamacpp.py --llama-bin .../llama.cpp/build/bin --chunks 8
+    python scripts/quantize_vs_llamacpp.py --llama-bin ... --only-perplexity --repeats 3
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -82,6 +87,22 @@ def parse_ppl(out: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
+def llama_eval_seconds(out: str) -> float:
+    """llama-perplexity's evaluation time: from its tokenization's end to its final estimate,
+    by the stamps (minutes.seconds.milliseconds.microseconds) of those log lines."""
+
+    def stamp(line_text: str) -> float:
+        m = re.search(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) .*" + re.escape(line_text), out, re.M)
+        minutes, seconds, ms, us = (int(g) for g in m.groups())
+        return 60 * minutes + seconds + ms / 1e3 + us / 1e6
+
+    return stamp("Final estimate") - stamp("tokenization took")
+
+
+def fastrun_eval_seconds(out: str) -> float:
+    return float(re.search(r"\(([\d.]+) s for \d+ tokens\)", out).group(1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-bin", type=Path, required=True)
@@ -89,6 +110,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=None, help="perplexity chunks (default: all)")
     ap.add_argument("--skip-perplexity", action="store_true")
+    ap.add_argument(
+        "--only-perplexity", action="store_true", help="step 4 alone (Q4_K_M files made if absent)"
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="perplexity runs of each program")
     args = ap.parse_args()
     work, t = args.work, str(args.threads)
     work.mkdir(parents=True, exist_ok=True)
@@ -99,7 +124,7 @@ def main() -> None:
         src = resolve_model("smollm2-135m-instruct")
         run(fastrun("quantize", str(src), str(f16), "--type", "F16", "--allow-requantize"))
 
-    for qtype in TYPES + MORE_TYPES:
+    for qtype in [] if args.only_perplexity else TYPES + MORE_TYPES:
         ours, theirs = work / f"fastrun-{qtype}.gguf", work / f"llama-{qtype}.gguf"
         times = {"fastrun": [], "llama": []}
         for _ in range(2 if qtype in TYPES else 1):  # alternate: both see the same load
@@ -116,31 +141,57 @@ def main() -> None:
     text = work / "licenses.txt"
     text.write_text("".join(Path("/usr/share/common-licenses", n).read_text() for n in LICENSES))
 
-    def both_ppl(model: Path, chunks: int | None) -> dict:
-        """Both programs on the same chunks; tokens per second over each whole process
-        (load included: llama-perplexity prints no evaluation time of its own)."""
+    def both_ppl(model: Path, chunks: int | None, repeats: int = 1) -> dict:
+        """Both programs on the same chunks, alternating; tokens per second over each whole
+        process (load included) and over the evaluation alone, medians of the runs."""
         extra = ["--chunks", str(chunks)] if chunks else []
         cmd = [str(args.llama_bin / "llama-perplexity"), "-m", str(model), "-f", str(text)]
-        llama_s, out = run([*cmd, "-c", "512", "-t", t, *extra])
-        llama = parse_ppl(out)
         ours_cmd = fastrun("perplexity", str(model), str(text), "-c", "512", "-t", t, *extra)
-        ours_s, out = run(ours_cmd)
-        ours = parse_ppl(out)
-        n_tokens = 512 * int(re.search(r"(\d+) chunks of 512", out).group(1))
+        seconds = {"llama": [], "fastrun": [], "llama_eval": [], "fastrun_eval": []}
+        for _ in range(repeats):
+            llama_s, llama_out = run([*cmd, "-c", "512", "-t", t, *extra])
+            ours_s, ours_out = run(ours_cmd)
+            seconds["llama"].append(llama_s)
+            seconds["llama_eval"].append(llama_eval_seconds(llama_out))
+            seconds["fastrun"].append(ours_s)
+            seconds["fastrun_eval"].append(fastrun_eval_seconds(ours_out))
+        med = {k: statistics.median(v) for k, v in seconds.items()}
+        llama, ours = parse_ppl(llama_out), parse_ppl(ours_out)
+        n_tokens = 512 * int(re.search(r"(\d+) chunks of 512", ours_out).group(1))
+
+        def side(ppl, name):
+            return {
+                "ppl": ppl[0],
+                "err": ppl[1],
+                "tokens_per_s": round(n_tokens / med[name], 1),
+                "eval_tokens_per_s": round(n_tokens / med[f"{name}_eval"], 1),
+                "seconds": [round(x, 2) for x in seconds[name]],
+                "eval_seconds": [round(x, 2) for x in seconds[f"{name}_eval"]],
+            }
+
         return {
             "tokens": n_tokens,
-            "llama": {"ppl": llama[0], "err": llama[1], "tokens_per_s": n_tokens / llama_s},
-            "fastrun": {"ppl": ours[0], "err": ours[1], "tokens_per_s": n_tokens / ours_s},
+            "llama": side(llama, "llama"),
+            "fastrun": side(ours, "fastrun"),
             "ppl_difference_pct": round(100 * (ours[0] / llama[0] - 1), 4),
-            "speed_ratio": round(llama_s / ours_s, 3),
+            "speed_ratio": round(med["llama"] / med["fastrun"], 3),
+            "eval_speed_ratio": round(med["llama_eval"] / med["fastrun_eval"], 3),
         }
 
-    # every output loads and runs in both programs: one chunk each
-    report["loads"] = {q: both_ppl(work / f"fastrun-{q}.gguf", 1) for q in TYPES}
-    print("loads", json.dumps(report["loads"]), flush=True)
+    if args.only_perplexity:  # the two Q4_K_M files, made once
+        for maker, cmd in [
+            ("fastrun", fastrun("quantize", str(f16), "", "--type", "Q4_K_M", "-t", t)),
+            ("llama", [str(args.llama_bin / "llama-quantize"), str(f16), "", "Q4_K_M", t]),
+        ]:
+            out = work / f"{maker}-Q4_K_M.gguf"
+            if not out.exists():
+                run([str(out) if part == "" else part for part in cmd])
+    else:  # every output loads and runs in both programs: one chunk each
+        report["loads"] = {q: both_ppl(work / f"fastrun-{q}.gguf", 1) for q in TYPES}
+        print("loads", json.dumps(report["loads"]), flush=True)
     if not args.skip_perplexity:
         report["perplexity"] = {
-            name: both_ppl(path, args.chunks)
+            name: both_ppl(path, args.chunks, args.repeats)
             for name, path in [
                 ("F16", f16),
                 ("Q4_K_M fastrun", work / "fastrun-Q4_K_M.gguf"),

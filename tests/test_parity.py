@@ -187,11 +187,14 @@ def test_matmul_many(backend, types):
         )
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize(
+    "qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "F32"]
+)
 def test_each_row_of_a_product_is_the_product_of_that_row_alone(qtype):
     """CPU batch invariance at the kernel: a row's product has the same bits alone, in a
     4-row group of a tile product or among its leftovers; 44 outputs: a tile of 8 rows with
-    4 padding rows (tiles.py), its padding sliced off."""
+    4 padding rows (tiles.py; float weights: a tile of 32 and one of 12 rows and 20 padding,
+    float_tiles.py), the padding sliced off."""
     cpu = get_backend("cpu")
     rng = np.random.default_rng(seed_of(qtype, "rows"))
     raw = random_blocks(qtype, 44, 512, rng)
@@ -353,6 +356,27 @@ def test_attention_of_a_prefill_sized_batch(backend, hd):
     expect = ref.attention(q, k_ref, v_ref, pos, scale, starts)
     got = backend.attention(dev(backend, q), k_dev, v_dev, pos, scale, starts)
     assert_attention_close(host(backend, got), expect, v_ref)
+
+
+@pytest.mark.parametrize("hd, window, ring", [(64, 0, 0), (96, 0, 0), (64, 20, 32)])
+def test_each_token_attends_alone_as_in_a_batch(hd, window, ring):
+    """CPU batch invariance of attention: a prefill-sized batch shares each key row among
+    the query heads of a KV head (ops.attention), a lone token does not; the bits are the
+    same. hd 96: the value sums' portable loop; a ring: its rows visited in two runs."""
+    cpu = get_backend("cpu")
+    rng = np.random.default_rng(21)
+    hk, h, n = 2, 6, 40
+    rows = ring if ring else 64
+    k = rng.standard_normal((rows, hk, hd)).astype(np.float16).astype(np.float32)
+    v = rng.standard_normal((rows, hk, hd)).astype(np.float16).astype(np.float32)
+    q = rng.standard_normal((n, h, hd)).astype(np.float32)
+    pos = np.arange(10, 10 + n, dtype=np.int32)
+    offsets = np.full(n, 7 if ring else 0, np.int32)
+    args = (hd**-0.5, None, window, 0.0, ring)
+    together = cpu.attention(q, k, v, pos, *args, offsets)
+    for i in range(n):
+        alone = cpu.attention(q[i : i + 1], k, v, pos[i : i + 1], *args, offsets[i : i + 1])
+        np.testing.assert_array_equal(alone[0], together[i])
 
 
 def _filled_cache(backend, rng, layers, rows, hk, hd):

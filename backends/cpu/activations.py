@@ -11,7 +11,10 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from fastrun.quant.fast import f16_round
+from fastrun.backends.cpu.cache import drop_stale_cache
+from fastrun.backends.cpu.simd import f16_round
+
+drop_stale_cache("activations", ("simd.py",))  # code it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=False)
 

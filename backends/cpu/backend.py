@@ -10,6 +10,7 @@ import numpy as np
 from fastrun.backends import block
 from fastrun.backends.base import Backend, RopeConfig
 from fastrun.backends.cpu import fused, matmul, ops, stack
+from fastrun.backends.cpu.float_tiles import matmul_float
 from fastrun.backends.cpu.threads import AdaptiveThreads, FixedThreads
 from fastrun.backends.cpu.weights import CPUWeight
 from fastrun.quant import dequantize
@@ -102,11 +103,9 @@ class CPUBackend(Backend):
     def matmul(self, x, w):
         x = np.ascontiguousarray(x, np.float32)
         if w.qtype in ("F32", "F16", "BF16"):
-            if w.qtype == "F16":  # llama.cpp rounds the activation to fp16 for fp16 weights
-                x = x.astype(np.float16).astype(np.float32)
-            out = np.empty((x.shape[0], w.n_out), np.float32)
-            matmul.matmul_f32(w.dense, x, out)
-            return out
+            # llama.cpp rounds the activation to fp16 for fp16 weights
+            out = matmul_float(w.float_tiles, x, w.qtype == "F16")
+            return out if out.shape[1] == w.n_out else out[:, : w.n_out]  # tile padding off
         out = matmul.qmatmul(
             w.kernel_bytes, x, w.kernel, w.format.block_size, w.format.activation == "Q8_K"
         )

@@ -172,15 +172,3 @@ def qmatmul(w, x, fmt, block_size, q8k):
     """x float32 [n, n_in] times weight rows w of FORMATS[fmt]: quantize, multiply, in one
     call from Python (a decode step makes hundreds of these)."""
     return qmatmul_many((w,), x, np.full(1, fmt, np.int64), block_size, q8k)[0]
-
-
-@nb.njit(parallel=True, **_JIT)
-def matmul_f32(w, x, out):
-    """w float32 [n_out, n_in] times x [n, n_in]; fp16 weights arrive already widened."""
-    n, n_in = x.shape
-    for o in nb.prange(w.shape[0]):
-        for t in range(n):
-            acc = np.float32(0)
-            for i in range(n_in):
-                acc += w[o, i] * x[t, i]
-            out[t, o] = acc

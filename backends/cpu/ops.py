@@ -7,7 +7,10 @@ import math
 import numba as nb
 import numpy as np
 
-from fastrun.quant.fast import f16_round
+from fastrun.backends.cpu.cache import drop_stale_cache
+from fastrun.backends.cpu.simd import ROW_SUM_WIDTH, f16_round, weighted_row_sum
+
+drop_stale_cache("ops", ("simd.py",))  # code it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 
@@ -122,9 +125,21 @@ def _next_row(s, start, ring):
     return s
 
 
+_MANY_TASKS = 64  # (token, KV head) pairs enough to share out among threads
+
+
+@nb.njit(inline="always", **_JIT)
+def _balanced_token(i, n):
+    """The token of task row i of n: 0, n-1, 1, n-2, ... A causal prefill's token t reads
+    t + 1 keys; so each contiguous share of the rows that a parallel loop hands a thread
+    holds short and long ones alike (token order gave one of two threads 3/4 of the work)."""
+    return i // 2 if i % 2 == 0 else n - 1 - i // 2
+
+
 @nb.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ring, offsets, out):
-    """Causal attention over the cache, one (token, head) pair per task.
+    """Causal attention over the cache, one (token, KV head) pair per task where there are
+    many: its query heads share each key and value row read; else one (token, head).
 
     q [n, h, hd], k_cache/v_cache [c, hk, hd], positions and starts (each query's first cache
     row) int32 [n], out [n, h, hd]; window > 0: only the last `window` positions; softcap >
@@ -133,42 +148,68 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ri
     starts[t] + p, positions visited in order either way (the same sums). A two-pass
     softmax rounded as llama.cpp's graph rounds it: exponentials summed in float64, the
     probabilities normalized in float32 and rounded to fp16 (it multiplies them by the fp16
-    V cache), never renormalized. Memory is one score per key per task: no n x n matrix,
-    whatever the prompt length.
+    V cache), never renormalized. Each head's arithmetic is the same whatever the batch.
+    Memory is one score per key per head: no n x n matrix, whatever the prompt length.
     """
     n, h, hd = q.shape
-    group = h // k_cache.shape[1]
-    for task in nb.prange(n * h):
-        t = task // h
-        j = task % h
-        kv = j // group
-        qf = np.empty(hd, np.float32)
-        for i in range(hd):
-            qf[i] = f16_round(q[t, j, i])  # llama.cpp multiplies fp16 K by fp16 Q
+    # a task: the query heads of one KV head (a prefill), or one head where that leaves
+    # threads idle (a decode step: as many tasks as heads)
+    group = h // k_cache.shape[1] if n * k_cache.shape[1] >= _MANY_TASKS else 1
+    n_groups = h // group
+    for task in nb.prange(n * n_groups):
+        t = _balanced_token(task // n_groups, n)
+        head0 = (task % n_groups) * group  # its first query head
+        kv = head0 // (h // k_cache.shape[1])
+        qf = np.empty((group, hd), np.float32)
+        for g in range(group):
+            for i in range(hd):
+                qf[g, i] = f16_round(q[t, head0 + g, i])  # fp16 K times fp16 Q
         lo = max(0, positions[t] - window + 1) if window > 0 else 0
         first = starts[t] + (lo if ring <= 0 else (lo + offsets[t]) % ring)  # row of lo
-        scores = np.empty(positions[t] - lo + 1, np.float32)
-        m = -np.inf
+        length = positions[t] - lo + 1
+        scores = np.empty((group, length), np.float32)
+        m = np.full(group, -np.inf, np.float32)
         s = first
-        for at in range(scores.size):
-            score = _dot_row(qf, k_cache, s, kv) * scale
-            if softcap > 0:
-                score = softcap * np.float32(math.tanh(score / softcap))
-            scores[at] = score
-            m = max(m, score)
+        for at in range(length):
+            for g in range(group):
+                score = _dot_row(qf[g], k_cache, s, kv) * scale
+                if softcap > 0:
+                    score = softcap * np.float32(math.tanh(score / softcap))
+                scores[g, at] = score
+                m[g] = max(m[g], score)
             s = _next_row(s, starts[t], ring)
-        total = 0.0
-        for i in range(scores.size):
-            e = np.float32(np.exp(scores[i] - m))
-            scores[i] = e
-            total += np.float64(e)
-        inv = np.float32(1.0 / total)
-        acc = np.zeros(hd, np.float32)
-        s = first
-        for at in range(scores.size):
-            p = f16_round(scores[at] * inv)
+        inv = np.empty(group, np.float32)
+        for g in range(group):
+            total = 0.0
+            for at in range(length):
+                e = np.float32(np.exp(scores[g, at] - m[g]))
+                scores[g, at] = e
+                total += np.float64(e)
+            inv[g] = np.float32(1.0 / total)
+        # the rows of positions lo.. in order: one run, or on a ring up to its end and on
+        # from its start
+        wrap = starts[t] + ring if ring > 0 else first + length
+        run = min(length, wrap - first)
+        acc = np.zeros((group, hd), np.float32)
+        for g in range(group):
+            for at in range(length):
+                scores[g, at] = f16_round(scores[g, at] * inv[g])
+            _weighted_rows(scores[g], 0, v_cache, first, run, kv, acc[g])
+            _weighted_rows(scores[g], run, v_cache, starts[t], length - run, kv, acc[g])
             for i in range(hd):
-                acc[i] += p * v_cache[s, kv, i]
-            s = _next_row(s, starts[t], ring)
+                out[t, head0 + g, i] = acc[g, i]
+
+
+@nb.njit(inline="always", **_JIT)
+def _weighted_rows(probs, p0, v_cache, row0, n_rows, kv, acc):
+    """acc [hd] += sum over r < n_rows, in order, of probs[p0 + r] * v_cache[row0 + r, kv]."""
+    hd = acc.size
+    if hd % ROW_SUM_WIDTH == 0:  # the sums in registers, 32 at a time
+        for col in range(0, hd, ROW_SUM_WIDTH):
+            weighted_row_sum(probs, np.int64(p0), v_cache, np.int64(row0), np.int64(n_rows),
+                             np.int64(kv), np.int64(col), acc, np.int64(col))  # fmt: skip
+        return
+    for r in range(n_rows):
+        p = probs[p0 + r]
         for i in range(hd):
-            out[t, j, i] = acc[i]
+            acc[i] += p * v_cache[row0 + r, kv, i]

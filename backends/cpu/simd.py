@@ -13,7 +13,11 @@ import os
 
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fastrun.quant.fast import f16_round as _portable_f16_round
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 # FASTRUN_PORTABLE=1 forces the generic path (tests use it with a separate NUMBA_CACHE_DIR).
@@ -102,3 +106,97 @@ def widen_pairs(builder, p, s):
         return builder.call(maddwd, [p, s])
     products = builder.mul(builder.sext(p, vec(I32, 16)), builder.sext(s, vec(I32, 16)))
     return _even_plus_odd(builder, products)
+
+
+def counted_loop(builder, start, stop, step, init, body):
+    """for i in range(start, stop, step): values = body(i, values); returns the final values
+    (`init` when the loop runs zero times)."""
+    pre = builder.block
+    loop = builder.append_basic_block("loop")
+    after = builder.append_basic_block("loop.done")
+    builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
+    builder.position_at_end(loop)
+    i = builder.phi(ir.IntType(64))
+    phis = [builder.phi(v.type) for v in init]
+    new = body(i, phis)
+    i_next = builder.add(i, ir.Constant(ir.IntType(64), step))
+    end = builder.block
+    builder.cbranch(builder.icmp_signed("<", i_next, stop), loop, after)
+    i.add_incoming(start, pre)
+    i.add_incoming(i_next, end)
+    for phi, v0, v1 in zip(phis, init, new, strict=True):
+        phi.add_incoming(v0, pre)
+        phi.add_incoming(v1, end)
+    builder.position_at_end(after)
+    outs = [builder.phi(v.type) for v in init]
+    for out, v0, v1 in zip(outs, init, new, strict=True):
+        out.add_incoming(v0, pre)
+        out.add_incoming(v1, end)
+    return outs
+
+
+HAS_F16C = "+f16c" in _FEATURES and not os.environ.get("FASTRUN_PORTABLE")
+
+
+@intrinsic
+def _f16_round_f16c(typingctx, x):
+    """x rounded to the nearest IEEE half (ties to even), as float32: one vcvtps2ph and
+    vcvtph2ps where the host has F16C (the same bits as quant.fast.f16_round, which does it
+    in about twenty scalar steps)."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        half = builder.fptrunc(args[0], ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+f16_round = _f16_round_f16c if HAS_F16C else _portable_f16_round
+
+
+ROW_SUM_WIDTH = 32  # floats per call of weighted_row_sum: 4 vectors of 8 in registers
+
+
+@intrinsic
+def weighted_row_sum(typingctx, probs, p0, v_cache, row0, n_rows, kv, col, acc, a0):
+    """acc[a0 : a0 + 32] += sum over r < n_rows, in order, of probs[p0 + r] * v_cache[row0 +
+    r, kv, col : col + 32] (each product rounded, then added: the bits of the scalar loop),
+    the 32 sums held in registers over the rows. probs, acc: C-contiguous float32 (1-D,
+    2-D); v_cache float32 [rows, hk, hd], C-contiguous."""
+    v8 = vec(ir.FloatType(), 8)
+    i64 = ir.IntType(64)
+
+    def codegen(context, builder, sig, args):
+        probs_a, v_a, acc_a = (
+            context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 7)
+        )
+        p0_v, row0_v, n_v, kv_v, col_v, a0_v = (args[i] for i in (1, 3, 4, 5, 6, 8))
+        _, hk, hd = cgutils.unpack_tuple(builder, v_a.shape, 3)
+        row_stride = builder.mul(hk, hd)
+        base = builder.gep(v_a.data, [builder.add(builder.mul(kv_v, hd), col_v)])
+        acc_p = builder.gep(acc_a.data, [a0_v])
+        ptrs = [builder.bitcast(builder.gep(acc_p, [ir.Constant(i64, 8 * j)]), v8.as_pointer())
+                for j in range(ROW_SUM_WIDTH // 8)]  # fmt: skip
+        init = [builder.load(p, align=4) for p in ptrs]
+
+        def row(r, sums):
+            p = builder.load(builder.gep(probs_a.data, [builder.add(p0_v, r)]))
+            undef = ir.Constant(v8, ir.Undefined)
+            first = builder.insert_element(undef, p, ir.Constant(I32, 0))
+            pv = builder.shuffle_vector(first, undef, ir.Constant(vec(I32, 8), [0] * 8))
+            at = builder.gep(base, [builder.mul(builder.add(row0_v, r), row_stride)])
+            out = []
+            for j, s in enumerate(sums):
+                ptr = builder.bitcast(builder.gep(at, [ir.Constant(i64, 8 * j)]), v8.as_pointer())
+                out.append(builder.fadd(s, builder.fmul(pv, builder.load(ptr, align=4))))
+            return out
+
+        sums = counted_loop(builder, ir.Constant(i64, 0), n_v, 1, init, row)
+        for p, s in zip(ptrs, sums, strict=True):
+            builder.store(s, p, align=4)
+        return context.get_dummy_value()
+
+    sig = types.void(probs, p0, v_cache, row0, n_rows, kv, col, acc, a0)
+    return sig, codegen

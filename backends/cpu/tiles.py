@@ -35,6 +35,7 @@ from fastrun.backends.cpu.simd import (
     I16,
     I32,
     block_partials,
+    counted_loop,
     lanes,
     pair_products,
     splat,
@@ -514,33 +515,6 @@ def repack(raw: np.ndarray, name: str, out: np.ndarray | None = None) -> np.ndar
 
 
 # -- the tile loop ------------------------------------------------------------------------------
-
-
-def counted_loop(builder, start, stop, step, init, body):
-    """for i in range(start, stop, step): values = body(i, values); returns the final values
-    (`init` when the loop runs zero times)."""
-    pre = builder.block
-    loop = builder.append_basic_block("loop")
-    after = builder.append_basic_block("loop.done")
-    builder.cbranch(builder.icmp_signed("<", start, stop), loop, after)
-    builder.position_at_end(loop)
-    i = builder.phi(_I64)
-    phis = [builder.phi(v.type) for v in init]
-    new = body(i, phis)
-    i_next = builder.add(i, _c64(step))
-    end = builder.block
-    builder.cbranch(builder.icmp_signed("<", i_next, stop), loop, after)
-    i.add_incoming(start, pre)
-    i.add_incoming(i_next, end)
-    for phi, v0, v1 in zip(phis, init, new, strict=True):
-        phi.add_incoming(v0, pre)
-        phi.add_incoming(v1, end)
-    builder.position_at_end(after)
-    outs = [builder.phi(v.type) for v in init]
-    for out, v0, v1 in zip(outs, init, new, strict=True):
-        out.add_incoming(v0, pre)
-        out.add_incoming(v1, end)
-    return outs
 
 
 def _make_tile_product(name: str, n_tok: int):

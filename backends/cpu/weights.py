@@ -7,9 +7,8 @@ import numba
 import numpy as np
 
 from fastrun.backends.base import Weight
-from fastrun.backends.cpu import matmul, tile_cache, tiles
+from fastrun.backends.cpu import float_tiles, matmul, tile_cache, tiles
 from fastrun.formats.errors import FastrunError
-from fastrun.quant import dequantize
 from fastrun.quant.formats import block_format
 
 
@@ -23,8 +22,8 @@ class CPUWeight(Weight):
             raise FastrunError(f"{qtype} weight: bytes {raw.shape} do not fit [{n_out}, {n_in}]")
         self.raw = raw
         self._kernel_bytes = None
-        if qtype in ("F32", "F16", "BF16"):  # float weights: one float32 matrix
-            self.dense = dequantize(raw, qtype, n_out * n_in).reshape(n_out, n_in)
+        if qtype in ("F32", "F16", "BF16"):  # float weights: float32 tiles of 32 rows
+            self.float_tiles = float_tiles.to_float_tiles(raw, qtype, n_out, n_in)
         elif qtype in matmul.FORMATS:
             self.kernel = matmul.FORMATS.index(qtype)
         else:
