@@ -192,7 +192,7 @@ def test_matmul_many(backend, types):
 )
 def test_each_row_of_a_product_is_the_product_of_that_row_alone(qtype):
     """CPU batch invariance at the kernel: a row's product has the same bits alone, in a
-    4-row group of a tile product or among its leftovers; 44 outputs: a tile of 8 rows with
+    4-row group of a tile product or among its 1-3 leftovers; 44 outputs: a tile of 8 rows with
     4 padding rows (tiles.py; float weights: a tile of 32 and one of 12 rows and 20 padding,
     float_tiles.py), the padding sliced off."""
     cpu = get_backend("cpu")
@@ -204,6 +204,8 @@ def test_each_row_of_a_product_is_the_product_of_that_row_alone(qtype):
     assert together.shape == (11, 44)
     for i in range(len(x)):
         np.testing.assert_array_equal(cpu.matmul(x[i : i + 1], w)[0], together[i])
+    for n in (2, 5, 10):  # the leftovers of a 4-row group: one, two and three rows
+        np.testing.assert_array_equal(cpu.matmul(x[:n], w), together[:n])
     expect = ref.matmul(x, ref.load_weight(raw, qtype, 44, 512))
     np.testing.assert_allclose(together, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
 

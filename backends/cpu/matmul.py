@@ -5,7 +5,7 @@ kernels). Shapes: w [tiles, tile bytes] uint8, xq [n, n_in] int8, xd
 per-block activation scales, xs fp16-rounded scaled block sums (Q8_1), isum integer block
 sums (Q8_0) or 16-value sums (Q8_K), out [n, n_out] (n_out a multiple of 8 for tiles: rows
 past a weight's own are zero padding, which the backend slices off). Threads split the
-tiles; each weight vector is unpacked once per 4 tokens (2 or 1 for the rest).
+tiles; each weight vector is unpacked once per 4 tokens (and once for the 1-3 left).
 """
 
 from __future__ import annotations
@@ -26,11 +26,16 @@ _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_mode
 # (tiles.py); `fmt` below indexes this tuple, the order of the branches of _tile1/_tile4.
 FORMATS = tuple(TILE_FORMATS)
 assert FORMATS == ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-(_Q40_1, _Q40_2, _Q40_4), (_Q41_1, _Q41_2, _Q41_4), (_Q50_1, _Q50_2, _Q50_4) = (
-    TILE_PRODUCTS[name] for name in FORMATS[:3]
+(_Q40_1, _Q40_2, _Q40_3, _Q40_4), (_Q41_1, _Q41_2, _Q41_3, _Q41_4) = (
+    TILE_PRODUCTS[name] for name in FORMATS[:2]
 )
-(_Q80_1, _Q80_2, _Q80_4), (_Q4K_1, _Q4K_2, _Q4K_4) = (TILE_PRODUCTS[n] for n in FORMATS[3:5])
-(_Q5K_1, _Q5K_2, _Q5K_4), (_Q6K_1, _Q6K_2, _Q6K_4) = (TILE_PRODUCTS[n] for n in FORMATS[5:])
+(_Q50_1, _Q50_2, _Q50_3, _Q50_4), (_Q80_1, _Q80_2, _Q80_3, _Q80_4) = (
+    TILE_PRODUCTS[name] for name in FORMATS[2:4]
+)
+(_Q4K_1, _Q4K_2, _Q4K_3, _Q4K_4), (_Q5K_1, _Q5K_2, _Q5K_3, _Q5K_4) = (
+    TILE_PRODUCTS[name] for name in FORMATS[4:6]
+)
+_Q6K_1, _Q6K_2, _Q6K_3, _Q6K_4 = TILE_PRODUCTS[FORMATS[6]]
 
 
 @nb.njit(inline="always", **_JIT)
@@ -76,6 +81,24 @@ def _tile2(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
 
 
 @nb.njit(inline="always", **_JIT)
+def _tile3(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
+    if fmt == 0:
+        _Q40_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 1:
+        _Q41_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 2:
+        _Q50_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 3:
+        _Q80_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 4:
+        _Q4K_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif fmt == 5:
+        _Q5K_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    else:
+        _Q6K_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+
+
+@nb.njit(inline="always", **_JIT)
 def _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
     if fmt == 0:
         _Q40_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
@@ -96,7 +119,7 @@ def _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
 @nb.njit(inline="always", **_JIT)
 def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
     """Tile u of weight w (8 output rows) times every activation row; 4 activation rows at
-    a time share each unpacked weight vector, then 2 and 1 for the rest."""
+    a time share each unpacked weight vector, then the 1-3 left share one."""
     n = xq.shape[0]
     o0 = u * TILE_ROWS
     tile = w[u]
@@ -104,10 +127,12 @@ def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
     while t + 4 <= n:
         _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
         t += 4
-    if t + 2 <= n:
+    left = n - t
+    if left == 3:
+        _tile3(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+    elif left == 2:
         _tile2(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-        t += 2
-    if t < n:
+    elif left == 1:
         _tile1(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
 
 

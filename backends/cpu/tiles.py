@@ -567,10 +567,10 @@ def _make_tile_product(name: str, n_tok: int):
     return tile_product
 
 
-# name -> (one-token, two-token, four-token tile product): a product over n tokens takes
-# fours, then a two and a one as they fit, so that each unpacked weight vector serves as many
-# tokens as possible (speculation's checking passes are mostly 2-3 tokens)
-TILE_TOKENS = (1, 2, 4)
+# name -> (one-, two-, three- and four-token tile products): a product over n tokens takes
+# fours, then one product for the 1-3 left, so that each unpacked weight vector serves as many
+# tokens as possible (speculation's checking passes are mostly 2-5 tokens)
+TILE_TOKENS = (1, 2, 3, 4)
 TILE_PRODUCTS = {
     name: tuple(_make_tile_product(name, n) for n in TILE_TOKENS) for name in TILE_FORMATS
 }
