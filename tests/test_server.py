@@ -441,7 +441,8 @@ def test_full_queue_503_then_sigterm_ends_open_streams_and_exits_0(tmp_path):
 
     real_model(MODEL)
     with serve(MODEL, "--parallel", "1", "--max-queue", "1", tmp_path=tmp_path) as (proc, url):
-        body = {"messages": QUESTION, "max_tokens": 400, "stream": True}
+        # long enough not to end before the SIGTERM, however fast decoding is (no EOS)
+        body = {"messages": QUESTION, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with contextlib.ExitStack() as streams:
 
             def open_stream():
