@@ -19,6 +19,14 @@ median of the rounds is reported with the ratio fastrun / llama.cpp.
 compares parallel sequences instead: `fastrun bench --parallel` (through the engine's batcher)
 against `llama-batched-bench -npp P -ntg N -npl ...` built from the same sources: aggregate
 decode (S_TG) and overall (S) tokens per second per number of sequences.
+
+`--isa avx2` runs fastrun's kernels for another instruction set on this machine: Numba
+compiles for the host's features less AVX-512 and AVX-VNNI (NUMBA_CPU_FEATURES, which
+backends/cpu/simd.py follows). `--isa avx-vnni` keeps AVX-VNNI where the host has it;
+`--isa portable` is avx2 with FASTRUN_PORTABLE's generic vector code in place of the x86
+intrinsics (the path of ARM and other hosts). Each has a kernel cache of its own. Pair them
+with a llama-bench built for the same set (`-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_BMI2=ON`, and `-DGGML_AVX_VNNI=ON` for avx-vnni).
 """
 
 from __future__ import annotations
@@ -29,6 +37,28 @@ import os
 import statistics
 import subprocess
 import sys
+
+
+def isa_environment(isa: str) -> dict[str, str]:
+    """Environment variables that make fastrun's kernels those of `isa` on this host."""
+    if isa == "native":
+        return {}
+    cache = os.path.join(os.path.expanduser("~/.cache/fastrun"), f"numba-{isa}")
+    from llvmlite import binding
+
+    wider = ("+avx512", "+avx10", "+amx", "+avxifma", "+avxneconvert")
+    if isa != "avx-vnni":
+        wider += ("+avxvnni",)
+    features = [
+        "-" + f[1:] if f.startswith(wider) else f
+        for f in binding.get_host_cpu_features().flatten().split(",")
+    ]
+    if "+avx2" not in features:
+        raise SystemExit(f"--isa {isa}: this host has no AVX2")
+    env = {"NUMBA_CPU_FEATURES": ",".join(features), "NUMBA_CACHE_DIR": cache}
+    if isa == "portable":
+        env["FASTRUN_PORTABLE"] = "1"
+    return env
 
 
 def fastrun_bench(model: str, p: int, n: int, r: int, threads: int) -> dict[str, float]:
@@ -112,11 +142,13 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per model")
+    ap.add_argument("--isa", choices=("native", "avx-vnni", "avx2", "portable"), default="native")
     ap.add_argument("--parallel", help="e.g. 1,8: parallel sequences against llama-batched-bench")
     ap.add_argument(
         "--batched-bench", default=os.environ.get("LLAMA_BATCHED_BENCH", "llama-batched-bench")
     )
     args = ap.parse_args()
+    os.environ.update(isa_environment(args.isa))  # for the fastrun subprocesses
     if args.parallel:
         compare_parallel(args)
         return

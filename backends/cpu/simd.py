@@ -15,16 +15,25 @@ from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from fastrun.quant.fast import f16_round as _portable_f16_round
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 # FASTRUN_PORTABLE=1 forces the generic path (tests use it with a separate NUMBA_CACHE_DIR).
-_FEATURES = set(llvm_binding.get_host_cpu_features().flatten().split(","))
+# The features are those Numba compiles for: the host's, or NUMBA_CPU_FEATURES where set, so
+# one machine can build and measure another instruction set's path
+# (scripts/bench_vs_llamacpp.py --isa).
+_TARGET = numba_config.CPU_FEATURES
+if _TARGET is None:
+    _TARGET = llvm_binding.get_host_cpu_features().flatten()
+_FEATURES = set(_TARGET.split(","))
 HAS_AVX2 = "+avx2" in _FEATURES and not os.environ.get("FASTRUN_PORTABLE")
-# AVX-512 VNNI on 256-bit vectors: vpdpbusd does vpmaddubsw + vpmaddwd(1) + add in one
-HAS_VNNI = HAS_AVX2 and {"+avx512vnni", "+avx512vl"} <= _FEATURES
+# vpdpbusd on 256-bit vectors does vpmaddubsw + vpmaddwd(1) + add in one: AVX-512 VNNI's
+# (with VL) or AVX-VNNI's, its VEX form on laptops without AVX-512 (Alder Lake and later,
+# Zen 5), which LLVM selects for the same intrinsic
+HAS_VNNI = HAS_AVX2 and ({"+avx512vnni", "+avx512vl"} <= _FEATURES or "+avxvnni" in _FEATURES)
 
 
 def vec(t, n):
