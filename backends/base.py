@@ -137,7 +137,9 @@ class Backend(ABC):
         Heads share kv heads in groups of h // hk. Scores are q . k * scale, then softcap *
         tanh(score / softcap) where softcap > 0. window > 0: only the last `window`
         positions, positions[i] - window + 1 .. positions[i] (a ring needs one, smaller than
-        ring). Returns [n, h * hd]."""
+        ring). Returns [n, h * hd], as an array or a value of the backend's own that its
+        matmul and matmul_add take and to_host reads (CUDA: the rows with their 8-bit form,
+        which the attention kernel writes along for the output projection)."""
 
     def kv_copy(self, k_cache, v_cache, src: int, dst: int, n: int, shift: int = 0, rope=None):
         """Copy rows src .. src + n of every layer of k_cache, v_cache [n_layer, c, hk, hd] to

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -116,6 +117,21 @@ class CUDAWeight(Weight):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.planes)
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Float rows [n, k] and the same rows in 8 bits per 32 values (_activation's layout),
+    both written by one kernel: the attention's output, whose projection by a weight of a
+    32-value block format then needs no quantization of its own. A backend value: model code
+    hands it to matmul or matmul_add as it is."""
+
+    values: cp.ndarray
+    act: tuple  # (xq, xd, xs)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
 
 
 class _Kernels:
@@ -257,9 +273,6 @@ class CUDABackend(Backend):
         self._tickets = cp.zeros(1 << 17, cp.int32)
         self._select_tickets = cp.zeros(1 << 10, cp.int32)  # likewise, per row of top_k
         self._sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        # the last attention output and its 8-bit quantization (per 32), which the attention
-        # kernel wrote along: the output projection takes it instead of quantizing again
-        self._attn_act: tuple | None = None
         self._host_vectors: dict[bytes, cp.ndarray] = {}  # _ints, oldest first
 
     def use_on_this_thread(self):
@@ -286,6 +299,8 @@ class CUDABackend(Backend):
         return cp.zeros(shape, cp.float16)  # the KV cache holds fp16, as llama.cpp's
 
     def to_host(self, x):
+        if isinstance(x, QuantizedRows):
+            x = x.values
         return host_result(cp.asnumpy(x))
 
     def gather_rows(self, x, rows):
@@ -399,42 +414,52 @@ class CUDABackend(Backend):
         return wide if fits and chunks >= wide else narrow
 
     def _rows(self, x):
+        if isinstance(x, QuantizedRows):  # transformed before a product: the float rows
+            x = x.values
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         return x.reshape(-1, x.shape[-1])
 
+    def _product_input(self, x) -> tuple:
+        """x as float rows and the 8-bit form that came with it (QuantizedRows), or None."""
+        if isinstance(x, QuantizedRows):
+            return x.values, x.act
+        return self._rows(x), None
+
     def matmul(self, x, w):
-        return self._many(self._rows(x), [w])[0]
+        rows, act = self._product_input(x)
+        return self._many(rows, [w], act=act)[0]
 
     def matmul_many(self, x, ws):
-        return self._many(self._rows(x), ws)
+        rows, act = self._product_input(x)
+        return self._many(rows, ws, act=act)
 
     def norm_matmul_many(self, x, weight, eps, ws):
         return self._many(self._rows(x), ws, norm=weight, eps=eps)
 
     def matmul_add(self, x, w, residual):
-        self._many(self._rows(x), [w], out=residual)
+        rows, act = self._product_input(x)
+        self._many(rows, [w], out=residual, act=act)
         return residual
 
     def silu_mul_matmul_add(self, gate, up, w, residual):
         self._many(gate, [w], up=up, out=residual)
         return residual
 
-    def _many(self, x, ws, norm=None, eps=0.0, up=None, out=None) -> list:
+    def _many(self, x, ws, norm=None, eps=0.0, up=None, out=None, act=None) -> list:
         """Products of x (first normalized, or silu(x) * up, when given) with each of ws.
         Weights of one format are fused into one matrix on first use (their planes become
         views of it), so Q, K and V or gate and up take one launch; the others share the
-        activation's quantization. out: add the (single) product into it instead."""
+        activation's quantization. out: add the (single) product into it instead. act: x
+        already in 8 bits per 32 (QuantizedRows), for the weights of such formats."""
         if len(ws) > 1 and len({(w.qtype, w.n_in) for w in ws}) == 1:
             key = tuple(id(w) for w in ws)
             fused = self._fused.get(key) or self._fused.setdefault(key, self._fuse(ws))
-            y = self._many(x, [fused], norm, eps, up)[0]
+            y = self._many(x, [fused], norm, eps, up, act=act)[0]
             edges = np.cumsum([0] + [w.n_out for w in ws])
             return [y[:, a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
         acts: dict[bool, tuple] = {}  # per_256 -> x quantized for such weights
-        held, self._attn_act = self._attn_act, None
-        if held is not None and norm is None and up is None:
-            if held[0].data.ptr == x.data.ptr and held[0].shape == x.shape:
-                acts[False] = held[1]
+        if act is not None and norm is None and up is None:
+            acts[False] = act
         dense = None  # the transformed x in float, for float weights
         x16 = None  # in fp16, for cuBLAS
         outs = []
@@ -622,17 +647,16 @@ class CUDABackend(Backend):
         args += (_i32(h), _i32(hk), _i32(hd), _i32(splits), np.float32(scale))
         # the output also in 8 bits per 32 (groups within a head), for an output projection of
         # a 32-block format (Q4_0 ... Q8_0); a kernel launch fewer per layer
-        self._attn_act = None
+        act = None
         if hd % 32 == 0 and n < DENSE_ROWS:
             tiled = _tensor_cores(n, h * hd)
             act = _activation(n, h * hd, tiled)
-            self._attn_act = (out, act)
             args += (*act, _i32(tiled))
         else:
             args += (_NULL, _NULL, _NULL, _i32(0))
         args += (_i32(window), np.float32(softcap), offsets, _i32(max(ring, 0)))
         self.k("attn_split")((h, splits, n), (128,), args)
-        return out
+        return out if act is None else QuantizedRows(out, act)
 
     def _attention_tiles(
         self, q, k_cache, v_cache, positions, scale, starts, window, softcap, ring, offsets
