@@ -226,7 +226,7 @@ def test_tiles_hold_eight_rows_interleaved_four_values_at_a_time():
 
 
 def test_kernels_use_vector_instructions():
-    """The compiled matmul really holds the SIMD dot product (vpmaddubsw on AVX2 hosts).
+    """The compiled matmul really holds the SIMD dot product (vpdpbusd, else vpmaddubsw).
     Numba shows no assembly for cached code, so compile an uncached copy."""
     import numba
 
@@ -242,7 +242,9 @@ def test_kernels_use_vector_instructions():
     outs = tuple(np.empty((1, cols), np.float32) for cols in (8, 0, 0))
     kernel(ws, fmts, xq, xd, xs, isum, outs, 256)
     asm = "".join(kernel.inspect_asm().values())
-    if simd.HAS_AVX2:
+    if simd.HAS_VNNI:  # the integer dot products in vpdpbusd (AVX-512 VNNI or AVX-VNNI)
+        assert "vpdpbusd" in asm and "vcvtph2ps" in asm
+    elif simd.HAS_AVX2:
         assert "vpmaddubsw" in asm and "vpmaddwd" in asm and "vcvtph2ps" in asm
 
 

@@ -70,11 +70,7 @@ def block_partials(builder, w, x, signed: bool, scales16=None):
             x = builder.call(signf, [x, w])
             w = builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)])
         if HAS_VNNI and scales16 is None:  # exact: no int16 step, no saturation either way
-            dpbusd = _intrinsic_fn(
-                builder, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8)] * 3
-            )
-            words = [builder.bitcast(v, vec(I32, 8)) for v in (w, x)]
-            return builder.call(dpbusd, [splat(I32, 8, 0), *words])
+            return dot_accumulate(builder, splat(I32, 8, 0), w, x)
         pairs = pair_products(builder, w, x)  # cannot saturate: |w| <= 128, |x| <= 127
         return widen_pairs(builder, pairs, scales16 if scales16 is not None else splat(I16, 16, 1))
     widen = builder.sext if signed else builder.zext
@@ -105,6 +101,15 @@ def pair_products(builder, w, x):
         return builder.call(maddubs, [w, x])
     products = builder.mul(builder.zext(w, vec(I16, 32)), builder.sext(x, vec(I16, 32)))
     return _even_plus_odd(builder, products)
+
+
+def dot_accumulate(builder, acc, w, x):
+    """acc (<8 x i32>) plus, in lane i, the four products w[4i..4i+3] x[4i..4i+3] of
+    unsigned weights and signed activations (<32 x i8> each): one vpdpbusd, exact in int32
+    (HAS_VNNI hosts only)."""
+    dpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8)] * 3)
+    words = [builder.bitcast(v, vec(I32, 8)) for v in (w, x)]
+    return builder.call(dpbusd, [acc, *words])
 
 
 def widen_pairs(builder, p, s):

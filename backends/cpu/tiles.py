@@ -31,11 +31,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fastrun.backends.cpu.simd import (
+    HAS_VNNI,
     I8,
     I16,
     I32,
     block_partials,
     counted_loop,
+    dot_accumulate,
     lanes,
     pair_products,
     splat,
@@ -129,9 +131,14 @@ class _Tok:
 
 def _sum_groups(builder, toks, weight, x_at, per_i16, scale16=_ONES16):
     """Per token, per-row int32 sums (<8 x i32>) of weight vectors weight(g) (<32 x i8>, 4
-    values of each row; emitted once, used by every token) times the token's activations at
-    x_at[g]; pair products summed in int16 `per_i16` at a time, then widened with one scale
-    per row (scale16, lane pairs equal). Groups outer, tokens inner: few vectors live."""
+    unsigned values of each row; emitted once, used by every token) times the token's
+    activations at x_at[g], times one scale per row (scale16, lane pairs equal): pair
+    products summed in int16 `per_i16` at a time, then widened with the scale; where the host
+    has vpdpbusd, the groups summed in int32 by it and the sum multiplied by the scale (the
+    same integers: callers keep the int16 sums from saturating). Groups outer, tokens inner:
+    few vectors live."""
+    if HAS_VNNI:
+        return _sum_groups_vnni(builder, toks, weight, x_at, scale16)
     totals = [None] * len(toks)
     for start in range(0, len(x_at), per_i16):
         acc16 = [None] * len(toks)
@@ -144,6 +151,19 @@ def _sum_groups(builder, toks, weight, x_at, per_i16, scale16=_ONES16):
             part = widen_pairs(builder, acc16[k], scale16)
             totals[k] = part if totals[k] is None else builder.add(totals[k], part)
     return totals
+
+
+def _sum_groups_vnni(builder, toks, weight, x_at, scale16):
+    totals = [splat(I32, 8, 0)] * len(toks)
+    for g in range(len(x_at)):
+        w = weight(g)
+        for k, tok in enumerate(toks):
+            totals[k] = dot_accumulate(builder, totals[k], w, tok.x4(builder, x_at[g]))
+    if scale16 is _ONES16:
+        return totals
+    per_row = builder.shuffle_vector(scale16, scale16, lanes(range(0, 16, 2)))
+    scale = builder.sext(per_row, _V8I)
+    return [builder.mul(total, scale) for total in totals]
 
 
 def _add_all(builder, totals, parts):
