@@ -10,6 +10,7 @@ for any target, with the same lane layout.
 from __future__ import annotations
 
 import os
+import platform
 
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -149,14 +150,18 @@ def counted_loop(builder, start, stop, step, init, body):
     return outs
 
 
-HAS_F16C = "+f16c" in _FEATURES and not os.environ.get("FASTRUN_PORTABLE")
+# Conversions to and from IEEE half in hardware: x86's F16C, or any 64-bit ARM (FCVT is in
+# its base floating point). They are generic IR (fptrunc, fpext), so the portable path keeps
+# them; FASTRUN_PORTABLE_HALF=0 takes the scalar steps instead (hosts without them).
+_NATIVE_HALF = "+f16c" in _FEATURES or platform.machine().lower() in ("aarch64", "arm64")
+HAS_F16C = _NATIVE_HALF and os.environ.get("FASTRUN_PORTABLE_HALF") != "0"
 
 
 @intrinsic
 def _f16_round_f16c(typingctx, x):
     """x rounded to the nearest IEEE half (ties to even), as float32: one vcvtps2ph and
-    vcvtph2ps where the host has F16C (the same bits as quant.fast.f16_round, which does it
-    in about twenty scalar steps)."""
+    vcvtph2ps on x86 with F16C, two FCVTs on ARM (the same bits as quant.fast.f16_round,
+    which does it in about twenty scalar steps)."""
     if not isinstance(x, types.Float):
         return None
 
