@@ -240,7 +240,7 @@ def test_kernels_use_vector_instructions():
     fmts = np.full(matmul.MANY, matmul.FORMATS.index("Q4_K"), np.int64)
     ws = (tiles, tiles[:0], tiles[:0])
     outs = tuple(np.empty((1, cols), np.float32) for cols in (8, 0, 0))
-    kernel(ws, fmts, xq, xd, xs, isum, outs, 256)
+    kernel(matmul.format_set(["Q4_K"]), ws, fmts, xq, xd, xs, isum, outs, 256)
     asm = "".join(kernel.inspect_asm().values())
     if simd.HAS_AVX2:
         assert "vpmaddubsw" in asm and "vpmaddwd" in asm and "vcvtph2ps" in asm

@@ -74,21 +74,35 @@ def quantize_q8_k(x, xq, xd, bsums):
 
 
 @nb.njit(inline="always", **_JIT)
-def quantize(x, q8k):
-    """Activations as the dot kernels take them: (xq int8 [n, k], xd scales, xs scaled block
-    sums, isum integer block sums); Q8_K when q8k, else Q8_0/Q8_1."""
+def quantize_k(x):
+    """quantize(x, True): Q8_K."""
     n, k = x.shape
     xq = np.empty((n, k), np.int8)
-    if q8k:
-        xd = np.empty((n, k // 256), np.float32)
-        isum = np.empty((n, k // 16), np.int32)
-        quantize_q8_k(x, xq, xd, isum)
-        return xq, xd, xd, isum  # no scaled sums for Q8_K: same array types, one signature
+    xd = np.empty((n, k // 256), np.float32)
+    isum = np.empty((n, k // 16), np.int32)
+    quantize_q8_k(x, xq, xd, isum)
+    return xq, xd, xd, isum  # no scaled sums for Q8_K: same array types, one signature
+
+
+@nb.njit(inline="always", **_JIT)
+def quantize_32(x):
+    """quantize(x, False): Q8_0/Q8_1."""
+    n, k = x.shape
+    xq = np.empty((n, k), np.int8)
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 32), np.float32)
     isum = np.empty((n, k // 32), np.int32)
     quantize_q8_0(x, xq, xd, xs, isum)
     return xq, xd, xs, isum
+
+
+@nb.njit(inline="always", **_JIT)
+def quantize(x, q8k):
+    """Activations as the dot kernels take them: (xq int8 [n, k], xd scales, xs scaled block
+    sums, isum integer block sums); Q8_K when q8k, else Q8_0/Q8_1."""
+    if q8k:
+        return quantize_k(x)
+    return quantize_32(x)
 
 
 def quantize_rows(x: np.ndarray, fmt: str):

@@ -28,6 +28,7 @@ class CPUWeight(Weight):
             self.float_tiles = float_tiles.to_float_tiles(raw, qtype, n_out, n_in)
         elif qtype in matmul.FORMATS:
             self.kernel = matmul.FORMATS.index(qtype)
+            self.formats = matmul.format_set([qtype])  # what its own products compile for
         else:
             raise FastrunError(f"the CPU backend has no matmul for {qtype} weights")
 
