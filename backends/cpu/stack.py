@@ -72,7 +72,8 @@ def run_blocks(
     slots and starts; ring_k, ring_v [ring layers, rows, hk, hd] with theirs, the
     sequences' ring offsets and R (runner/kv_cache.py: 0, no ring layers); per layer
     the RoPE base and scale and the attention window (0: none), float64/int64 [L]; softcap:
-    of the attention scores (0: none); gelu: GELU gating, else SiLU (backends/block.py)."""
+    of the attention scores (0: none); gelu: True for GELU gating, None for SiLU
+    (backends/block.py; None or not is part of the compiled signature)."""
     n = x.shape[0]
     hd = k_cache.shape[3]
     no_offsets = np.zeros_like(positions)
@@ -111,7 +112,7 @@ def run_blocks(
             q8k[layer, 2],
         )  # fmt: skip
         gated = np.empty_like(gate)
-        if gelu:
+        if gelu is not None:  # known when compiling: only the gating used is compiled
             ops.gelu_mul(gate, up, gated)
         else:
             ops.silu_mul(gate, up, gated)
@@ -211,7 +212,7 @@ class CompiledBlocks:
         self.windows = np.array([spec.window for spec in block.layers], np.int64)
         self.scale = np.float32(block.attn_scale)
         self.softcap = np.float32(block.attn_softcap)
-        self.gelu = block.activation == GELU_TANH
+        self.gelu = True if block.activation == GELU_TANH else None
 
     def __call__(self, x, positions, placement, full, ring):
         def ints(a):
