@@ -21,6 +21,10 @@ from fastrun.backends.cpu.tiles import TILE_NAMES, TILE_PRODUCTS, TILE_ROWS, For
 drop_stale_cache("matmul", ("simd.py", "tiles.py", "activations.py"))  # code it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
+# The overloads below do no arithmetic: compiled with the options of the kernels that inline
+# them (stack.py, fused.py), the Numba functions they call (np.empty ...) are compiled once
+# for both, not once per set of options.
+_OVERLOAD_JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 
 # Quantized formats of the integer kernel, each multiplied as repacked tiles of 8 rows
 # (tiles.py); `fmt` below indexes this tuple, and a FormatSet of its indices says which of them
@@ -66,7 +70,7 @@ def _quantize_for(formats, x, q8k):
     pair with alone."""
 
 
-@overload(_quantize_for, jit_options=dict(cache=True))
+@overload(_quantize_for, jit_options=_OVERLOAD_JIT)
 def _quantize_for_impl(formats, x, q8k):
     q8_0, q8_k = FormatSet(formats.indices).q8k
     if not q8_k:
@@ -87,7 +91,7 @@ def _padded(ws):
     """ws (a tuple of 1..MANY arrays) padded to MANY with empty views of its first."""
 
 
-@overload(_padded, jit_options=dict(cache=True))
+@overload(_padded, jit_options=_OVERLOAD_JIT)
 def _padded_impl(ws):
     if ws.count == MANY:
         return lambda ws: ws
