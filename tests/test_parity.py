@@ -559,3 +559,20 @@ def test_kv_move(backend):
     backend.kv_move(k_dev, v_dev, src, dst)
     np.testing.assert_array_equal(host(backend, k_dev), k_ref)
     np.testing.assert_array_equal(host(backend, v_dev), v_ref)
+
+
+def test_products_compiled_for_several_formats():
+    """A product compiled for a set of formats (a model's: matmul.format_set) gives each
+    weight the bits its own single-format kernel gives, whichever activation format."""
+    from fastrun.backends.cpu import matmul
+
+    cpu = get_backend("cpu")
+    names = ["Q4_1", "Q8_0", "Q6_K"]
+    several = matmul.format_set(names)
+    x = np.random.default_rng(7).standard_normal((5, 512)).astype(np.float32)
+    for name in names:
+        raw = random_blocks(name, 16, 512, np.random.default_rng(seed_of(name, "set")))
+        w = cpu.load_weight(raw, name, 16, 512)
+        args = (w.kernel, w.format.block_size, w.format.activation == "Q8_K")
+        alone = matmul.qmatmul(w.formats, w.kernel_bytes, x, *args)
+        np.testing.assert_array_equal(matmul.qmatmul(several, w.kernel_bytes, x, *args), alone)
