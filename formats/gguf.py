@@ -143,6 +143,13 @@ class _Metadata(Mapping):
     def __contains__(self, key) -> bool:
         return key in self._values
 
+    def length(self, key: str) -> int | None:
+        """The number of items of an array value (None: no such key), without decoding it."""
+        if key in self._undecoded:
+            return self._undecoded[key][1]
+        value = self._values.get(key)
+        return None if value is None else len(value)
+
     def decoded(self, key: str):
         """The value without decoding it: None for a string array not read yet."""
         return None if key in self._undecoded else self._values[key]
@@ -332,6 +339,19 @@ class GGUFFile:
             return schema.check(key, value, name)
         except GGUFError as e:
             raise GGUFError(f"{os.path.basename(self.path)}: {e}") from None
+
+    def count(self, key: str) -> int:
+        """len(get(key) or []), checked as get checks it, without decoding a string array not
+        read yet (a vocabulary's size at load, where the tokenizer had it from its cache):
+        its items are strings by its item type, so the checks come down to its length."""
+        if key not in self.metadata or self.metadata.decoded(key) is not None:
+            return len(self.get(key) or [])
+        n = self.metadata.length(key)
+        try:
+            schema.check(key, [""] * n, key)  # n strings, as far as the checks can tell
+        except GGUFError as e:
+            raise GGUFError(f"{os.path.basename(self.path)}: {e}") from None
+        return n
 
     def require(self, key: str):
         """Metadata value that must be present."""

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from fastrun.formats.errors import FastrunError
-from fastrun.runner.app import app, render, resolve
+from fastrun.runner.app import app, render, resolve, start_up_done
 from fastrun.runner.progress import DownloadProgress, stderr_console
 from fastrun.runner.speculative import SpeculativeSettings
 
@@ -103,7 +103,9 @@ def load_model(
     if backend == "cpu" and not kernels_cached():
         stderr_console.print("[dim]fastrun: compiling CPU kernels (first run only)...[/dim]")
     if backend != "cuda":
-        return Model(path, backend=backend, n_ctx=ctx_size, threads=threads, **engine)
+        m = Model(path, backend=backend, n_ctx=ctx_size, threads=threads, **engine)
+        start_up_done()
+        return m
     require_cuda()  # before the bar is drawn
     with DownloadProgress() as bar:  # weights go to the GPU once, with a bar
         total = sum(os.path.getsize(p) for p in (path, engine.get("draft")) if p is not None)
@@ -113,6 +115,7 @@ def load_model(
             draft_progress=bar.advance, **engine,
         )  # fmt: skip
         bar.done()
+    start_up_done()
     return m
 
 

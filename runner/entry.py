@@ -8,7 +8,7 @@ import sys
 def main() -> int:
     try:
         from fastrun.runner.cli import EXIT_INTERRUPTED
-        from fastrun.runner.cli import main as cli_main
+        from fastrun.runner.cli import console as cli_main
     except KeyboardInterrupt:
         print("fastrun: interrupted", file=sys.stderr)
         return 130

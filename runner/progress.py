@@ -32,39 +32,38 @@ class DownloadProgress:
     """One bar per downloaded piece; the interface registry.pull_model expects."""
 
     def __init__(self, console=None):
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=console or _console(),
-            transient=False,
-        )
+        self._console = console
+        self._progress = None  # made at the first bar: rich is not imported otherwise
         self._task = None
-
-        self._started = False
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        if self._started:
+        if self._progress is not None:
             self._progress.stop()
 
     def start(self, description: str, total: int | None) -> None:
-        if not self._started:  # draw nothing at all when nothing is downloaded
+        if self._progress is None:  # draw nothing at all when nothing is downloaded
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=self._console or _console(),
+                transient=False,
+            )
             self._progress.start()
-            self._started = True
         self._task = self._progress.add_task(description, total=total)
 
     def advance(self, n: int) -> None:

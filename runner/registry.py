@@ -12,8 +12,6 @@ import os
 import tempfile
 import time
 import tomllib
-import urllib.parse
-import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +205,8 @@ def _fetch_source(source: dict, out_path: Path, progress) -> str:
 
 
 def _open_url(url: str, accept: str | None = None):
+    import urllib.request  # here: a run of a model already present never loads it
+
     req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
     try:
         return urllib.request.urlopen(req, timeout=60)
@@ -234,7 +234,9 @@ def _wheel_url(index: str, package: str, version: str) -> tuple[str, str | None]
     for f in listing.get("files", []):
         name = f["filename"]
         if name.endswith(".whl") and name.split("-")[1] == version:
-            return urllib.parse.urljoin(url, f["url"]), f.get("hashes", {}).get("sha256")
+            from urllib.parse import urljoin
+
+            return urljoin(url, f["url"]), f.get("hashes", {}).get("sha256")
     raise FastrunError(f"{package}=={version}: no wheel on {index}")
 
 

@@ -21,6 +21,8 @@ import numpy as np
 
 from fastrun.formats import keys
 from fastrun.formats.errors import FastrunError
+from fastrun.runner import vocab_cache
+from fastrun.runner.vocab_cache import split_merges
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`, applied in sequence (llama.cpp's llama-vocab).
 _GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
@@ -86,6 +88,8 @@ class Tokenizer:
         eot_id: int | None = None,
         add_bos: bool | None = None,
         add_space_prefix: bool = False,
+        *,
+        merge_pairs: list[tuple[str, ...]] | None = None,
     ):
         if model not in ("llama", "gpt2"):
             raise FastrunError(f"unsupported tokenizer model {model!r} (fastrun knows llama, gpt2)")
@@ -104,7 +108,7 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.eot_id = bos_id, eos_id, eot_id
         self.add_bos = (model == "llama") if add_bos is None else bool(add_bos)
         self.add_space_prefix = add_space_prefix
-        self.token_to_id = {t: i for i, t in enumerate(tokens)}
+        self.token_to_id = dict(zip(tokens, range(n), strict=True))
         self._eog = {i for i in (eos_id, eot_id) if i is not None and 0 <= i < n}
         for text in EOG_TEXTS:
             i = self.token_to_id.get(text)
@@ -121,7 +125,9 @@ class Tokenizer:
         specials.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
         self._specials = specials
         if model == "gpt2":
-            self._bpe = self._build_bpe(merges or [], pre or "default")
+            if merge_pairs is None:  # merge_pairs: the merges split (the vocabulary cache's)
+                merge_pairs = split_merges(merges or [])
+            self._bpe = self._build_bpe(merge_pairs, pre or "default")
 
     # -- construction ----------------------------------------------------------------------
 
@@ -134,7 +140,12 @@ class Tokenizer:
             with GGUFFile(gguf) as f:
                 return cls.from_gguf(f)
         model = gguf.get(keys.TOKENIZER_MODEL)
-        tokens = gguf.get(keys.TOKENS)
+        digest, tokens, pairs = vocab_cache.load(gguf)
+        if tokens is None:  # decoded from the file (and cached for the next start)
+            tokens, merges = gguf.get(keys.TOKENS), gguf.get(keys.MERGES)
+            pairs = None if merges is None else split_merges(merges)
+            if tokens is not None:
+                vocab_cache.save(digest, tokens, pairs)
         if model is None or tokens is None:
             raise FastrunError(f"{gguf.path}: no tokenizer in the file")
         return cls(
@@ -142,7 +153,7 @@ class Tokenizer:
             tokens=tokens,
             token_types=gguf.get(keys.TOKEN_TYPE),
             scores=gguf.get(keys.SCORES),
-            merges=gguf.get(keys.MERGES),
+            merge_pairs=pairs,
             pre=gguf.get(keys.TOKENIZER_PRE),
             bos_id=gguf.get(keys.BOS_ID),
             eos_id=gguf.get(keys.EOS_ID),
@@ -151,14 +162,13 @@ class Tokenizer:
             add_space_prefix=bool(gguf.get(keys.ADD_SPACE_PREFIX, model == "llama")),
         )
 
-    def _build_bpe(self, merges: list[str], pre: str):
+    def _build_bpe(self, pairs: list[tuple[str, ...]], pre: str):
         from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
         if pre not in PRE_TOKENIZERS:
             known = ", ".join(sorted(PRE_TOKENIZERS))
             raise FastrunError(f"unsupported pre-tokenizer {pre!r} (fastrun knows {known})")
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
         try:
             bpe = models.BPE(self.token_to_id, pairs, ignore_merges=pre in ("llama-bpe", "llama3"))
         except BaseException as e:  # the library's own exception, or a Rust panic

@@ -241,7 +241,7 @@ def test_kernels_use_vector_instructions():
     fmts = np.full(matmul.MANY, matmul.FORMATS.index("Q4_K"), np.int64)
     ws = (tiles, tiles[:0], tiles[:0])
     outs = tuple(np.empty((1, cols), np.float32) for cols in (8, 0, 0))
-    kernel(ws, fmts, xq, xd, xs, isum, outs, 256)
+    kernel(matmul.format_set(["Q4_K"]), ws, fmts, xq, xd, xs, isum, outs, 256)
     asm = "".join(kernel.inspect_asm().values())
     if simd.HAS_VNNI:  # the integer dot products in vpdpbusd (AVX-512 VNNI or AVX-VNNI)
         assert "vpdpbusd" in asm and "vcvtph2ps" in asm
@@ -562,3 +562,20 @@ def test_kv_move(backend):
     backend.kv_move(k_dev, v_dev, src, dst)
     np.testing.assert_array_equal(host(backend, k_dev), k_ref)
     np.testing.assert_array_equal(host(backend, v_dev), v_ref)
+
+
+def test_products_compiled_for_several_formats():
+    """A product compiled for a set of formats (a model's: matmul.format_set) gives each
+    weight the bits its own single-format kernel gives, whichever activation format."""
+    from fastrun.backends.cpu import matmul
+
+    cpu = get_backend("cpu")
+    names = ["Q4_1", "Q8_0", "Q6_K"]
+    several = matmul.format_set(names)
+    x = np.random.default_rng(7).standard_normal((5, 512)).astype(np.float32)
+    for name in names:
+        raw = random_blocks(name, 16, 512, np.random.default_rng(seed_of(name, "set")))
+        w = cpu.load_weight(raw, name, 16, 512)
+        args = (w.kernel, w.format.block_size, w.format.activation == "Q8_K")
+        alone = matmul.qmatmul(w.formats, w.kernel_bytes, x, *args)
+        np.testing.assert_array_equal(matmul.qmatmul(several, w.kernel_bytes, x, *args), alone)

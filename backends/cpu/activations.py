@@ -4,6 +4,9 @@ Q8_0 (for Q4_0, Q5_0, Q8_0 weights), Q8_1 (Q4_1, Q5_1: also the block sum) and Q
 K-quants: 256-value blocks with 16-value partial sums). Scales are rounded through fp16 where
 llama.cpp stores them as fp16, and Q8_0/Q8_1 round as its x86 SIMD path does (inverse scale
 127/amax, ties to even), so results match quant.reference.quantize_activation_ref.
+
+On one thread: a row's quantization is a small fraction of its products (ops.py says why the
+light kernels are not parallel loops).
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ drop_stale_cache("activations", ("simd.py",))  # code it inlines
 _JIT = dict(nogil=True, cache=True, fastmath=False)
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)
 def quantize_q8_0(x, xq, xd, xs, isum):
     """x [n, k] -> xq int8 [n, k], xd [n, k/32] scales, xs [n, k/32] scaled block sums (Q8_1),
     isum int32 [n, k/32] integer block sums (for weights stored with an offset)."""
     n, k = x.shape
-    for t in nb.prange(n):
+    for t in range(n):
         for b in range(k // 32):
             amax = np.float32(0)
             for j in range(32):
@@ -41,11 +44,11 @@ def quantize_q8_0(x, xq, xd, xs, isum):
             isum[t, b] = total
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)
 def quantize_q8_k(x, xq, xd, bsums):
     """x [n, k] -> xq int8 [n, k], xd [n, k/256], bsums int32 [n, k/16]."""
     n, k = x.shape
-    for t in nb.prange(n):
+    for t in range(n):
         for b in range(k // 256):
             amax = np.float32(0)
             signed_max = np.float32(0)
@@ -74,21 +77,35 @@ def quantize_q8_k(x, xq, xd, bsums):
 
 
 @nb.njit(inline="always", **_JIT)
-def quantize(x, q8k):
-    """Activations as the dot kernels take them: (xq int8 [n, k], xd scales, xs scaled block
-    sums, isum integer block sums); Q8_K when q8k, else Q8_0/Q8_1."""
+def quantize_k(x):
+    """quantize(x, True): Q8_K."""
     n, k = x.shape
     xq = np.empty((n, k), np.int8)
-    if q8k:
-        xd = np.empty((n, k // 256), np.float32)
-        isum = np.empty((n, k // 16), np.int32)
-        quantize_q8_k(x, xq, xd, isum)
-        return xq, xd, xd, isum  # no scaled sums for Q8_K: same array types, one signature
+    xd = np.empty((n, k // 256), np.float32)
+    isum = np.empty((n, k // 16), np.int32)
+    quantize_q8_k(x, xq, xd, isum)
+    return xq, xd, xd, isum  # no scaled sums for Q8_K: same array types, one signature
+
+
+@nb.njit(inline="always", **_JIT)
+def quantize_32(x):
+    """quantize(x, False): Q8_0/Q8_1."""
+    n, k = x.shape
+    xq = np.empty((n, k), np.int8)
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 32), np.float32)
     isum = np.empty((n, k // 32), np.int32)
     quantize_q8_0(x, xq, xd, xs, isum)
     return xq, xd, xs, isum
+
+
+@nb.njit(inline="always", **_JIT)
+def quantize(x, q8k):
+    """Activations as the dot kernels take them: (xq int8 [n, k], xd scales, xs scaled block
+    sums, isum integer block sums); Q8_K when q8k, else Q8_0/Q8_1."""
+    if q8k:
+        return quantize_k(x)
+    return quantize_32(x)
 
 
 def quantize_rows(x: np.ndarray, fmt: str):

@@ -47,6 +47,7 @@ class _Group:
         self.kernels = None
         if same and all(w.fusable for w in ws):
             self.kernels = np.array([w.kernel for w in ws], np.int64)
+            self.formats = matmul.format_set({w.qtype for w in ws})
             self.raws = tuple(w.kernel_bytes for w in ws)
             self.block_size = fmt.block_size
             self.q8k = fmt.activation == "Q8_K"
@@ -107,7 +108,12 @@ class CPUBackend(Backend):
             out = matmul_float(w.float_tiles, x, w.qtype == "F16")
             return out if out.shape[1] == w.n_out else out[:, : w.n_out]  # tile padding off
         out = matmul.qmatmul(
-            w.kernel_bytes, x, w.kernel, w.format.block_size, w.format.activation == "Q8_K"
+            w.formats,
+            w.kernel_bytes,
+            x,
+            w.kernel,
+            w.format.block_size,
+            w.format.activation == "Q8_K",
         )
         return out if out.shape[1] == w.n_out else out[:, : w.n_out]  # tile padding off
 
@@ -123,7 +129,8 @@ class CPUBackend(Backend):
         if group.kernels is None:
             return [self.matmul(x, w) for w in ws]
         x = np.ascontiguousarray(x, np.float32)
-        return matmul.qmatmul_many(group.raws, x, group.kernels, group.block_size, group.q8k)
+        args = (group.kernels, group.block_size, group.q8k)
+        return matmul.qmatmul_many(group.formats, group.raws, x, *args)
 
     # -- fused steps: one compiled call each (fused.py), same arithmetic as the composition --
 
@@ -133,21 +140,21 @@ class CPUBackend(Backend):
             return super().norm_matmul_many(x, weight, eps, ws)
         x = np.ascontiguousarray(x, np.float32)
         args = (group.kernels, group.block_size, group.q8k)
-        return fused.norm_qmatmul_many(group.raws, x, weight, float(eps), *args)
+        return fused.norm_qmatmul_many(group.formats, group.raws, x, weight, float(eps), *args)
 
     def matmul_add(self, x, w, residual):
         if not w.fusable:
             return super().matmul_add(x, w, residual)
         x = np.ascontiguousarray(x, np.float32)
         args = (w.kernel, w.format.block_size, w.format.activation == "Q8_K")
-        return fused.qmatmul_add(w.kernel_bytes, x, residual, *args)
+        return fused.qmatmul_add(w.formats, w.kernel_bytes, x, residual, *args)
 
     def silu_mul_matmul_add(self, gate, up, w, residual):
         if not w.fusable:
             return super().silu_mul_matmul_add(gate, up, w, residual)
         gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
         args = (w.kernel, w.format.block_size, w.format.activation == "Q8_K")
-        return fused.silu_qmatmul_add(w.kernel_bytes, gate, up, residual, *args)
+        return fused.silu_qmatmul_add(w.formats, w.kernel_bytes, gate, up, residual, *args)
 
     def attention_inputs(self, q, k, v, biases, k_cache, v_cache, positions, slots, rope):
         q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))

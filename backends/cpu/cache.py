@@ -1,10 +1,14 @@
-"""Numba's on-disk cache keys a module's kernels on that module's source alone; kernels that
-inline code from other files must be dropped when those files change."""
+"""Numba's on-disk cache: kernels that inline code from other files are dropped when those
+files change (Numba keys a module's kernels on that module's source alone), and fastrun's
+kernels load from it without Numba's registry refresh."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+
+from numba.core import caching
+from numba.core.runtime import rtsys
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,3 +29,28 @@ def drop_stale_cache(stem: str, sources: tuple[str, ...]) -> None:
         stamp.write_text(digest)
     except OSError:
         pass  # a read-only install: Numba then caches elsewhere, or not at all
+
+
+def _load_without_refresh(load_overload):
+    """Cache.load_overload for fastrun's kernels: without the refresh of the target context,
+    which imports and installs every typing and lowering registry of Numba (0.1-0.25 s of
+    each start, the largest part of a warm run's first dispatch) though rebuilding cached
+    machine code uses none of them: it needs only the runtime (NRT) the code calls. A
+    compile still refreshes first (Numba's compiler does so itself); other packages'
+    functions load as Numba loads them."""
+
+    def load(self, sig, target_context):
+        if not getattr(self._py_func, "__module__", "").startswith("fastrun."):
+            return load_overload(self, sig, target_context)
+        rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+
+    load.without_refresh = True
+    return load
+
+
+# Numba's private hooks; on a version without them, kernels load the ordinary way
+if all(hasattr(caching.Cache, a) for a in ("_guard_against_spurious_io_errors", "_load_overload")):
+    if not getattr(caching.Cache.load_overload, "without_refresh", False):
+        caching.Cache.load_overload = _load_without_refresh(caching.Cache.load_overload)

@@ -17,26 +17,26 @@ _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 
 
 @nb.njit(inline="always", **_JIT)
-def norm_qmatmul_many(ws, x, weight, eps, fmts, block_size, q8k):
-    """qmatmul_many(ws, rms_norm(x, weight, eps))."""
+def norm_qmatmul_many(formats, ws, x, weight, eps, fmts, block_size, q8k):
+    """qmatmul_many(formats, ws, rms_norm(x, weight, eps))."""
     normed = np.empty_like(x)
     rms_norm(x, weight, eps, normed)
-    return qmatmul_many(ws, normed, fmts, block_size, q8k)
+    return qmatmul_many(formats, ws, normed, fmts, block_size, q8k)
 
 
 @nb.njit(**_JIT)
-def qmatmul_add(w, x, residual, fmt, block_size, q8k):
+def qmatmul_add(formats, w, x, residual, fmt, block_size, q8k):
     """residual += x @ w.T; returns residual."""
-    residual += qmatmul(w, x, fmt, block_size, q8k)
+    residual += qmatmul(formats, w, x, fmt, block_size, q8k)
     return residual
 
 
 @nb.njit(**_JIT)
-def silu_qmatmul_add(w, gate, up, residual, fmt, block_size, q8k):
+def silu_qmatmul_add(formats, w, gate, up, residual, fmt, block_size, q8k):
     """residual += (silu(gate) * up) @ w.T; returns residual."""
     gated = np.empty_like(gate)
     silu_mul(gate, up, gated)
-    residual += qmatmul(w, gated, fmt, block_size, q8k)
+    residual += qmatmul(formats, w, gated, fmt, block_size, q8k)
     return residual
 
 

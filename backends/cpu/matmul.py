@@ -14,28 +14,24 @@ import numba as nb
 import numpy as np
 from numba.extending import overload
 
-from fastrun.backends.cpu.activations import quantize
+from fastrun.backends.cpu.activations import quantize, quantize_32, quantize_k
 from fastrun.backends.cpu.cache import drop_stale_cache
-from fastrun.backends.cpu.tiles import TILE_FORMATS, TILE_PRODUCTS, TILE_ROWS
+from fastrun.backends.cpu.tiles import TILE_NAMES, TILE_PRODUCTS, TILE_ROWS, FormatSet
 
 drop_stale_cache("matmul", ("simd.py", "tiles.py", "activations.py"))  # code it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
+# The overloads below do no arithmetic: compiled with the options of the kernels that inline
+# them (stack.py, fused.py), the Numba functions they call (np.empty ...) are compiled once
+# for both, not once per set of options.
+_OVERLOAD_JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 
 # Quantized formats of the integer kernel, each multiplied as repacked tiles of 8 rows
-# (tiles.py); `fmt` below indexes this tuple, the order of the branches of _tile1/_tile4.
-FORMATS = tuple(TILE_FORMATS)
+# (tiles.py); `fmt` below indexes this tuple, and a FormatSet of its indices says which of them
+# a compiled product holds.
+FORMATS = TILE_NAMES
 assert FORMATS == ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-(_Q40_1, _Q40_2, _Q40_3, _Q40_4), (_Q41_1, _Q41_2, _Q41_3, _Q41_4) = (
-    TILE_PRODUCTS[name] for name in FORMATS[:2]
-)
-(_Q50_1, _Q50_2, _Q50_3, _Q50_4), (_Q80_1, _Q80_2, _Q80_3, _Q80_4) = (
-    TILE_PRODUCTS[name] for name in FORMATS[2:4]
-)
-(_Q4K_1, _Q4K_2, _Q4K_3, _Q4K_4), (_Q5K_1, _Q5K_2, _Q5K_3, _Q5K_4) = (
-    TILE_PRODUCTS[name] for name in FORMATS[4:6]
-)
-_Q6K_1, _Q6K_2, _Q6K_3, _Q6K_4 = TILE_PRODUCTS[FORMATS[6]]
+_TILE1, _TILE2, _TILE3, _TILE4 = (TILE_PRODUCTS[n] for n in (1, 2, 3, 4))
 
 
 @nb.njit(inline="always", **_JIT)
@@ -45,79 +41,7 @@ def out_columns(w):
 
 
 @nb.njit(inline="always", **_JIT)
-def _tile1(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
-    if fmt == 0:
-        _Q40_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 1:
-        _Q41_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 2:
-        _Q50_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 3:
-        _Q80_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 4:
-        _Q4K_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 5:
-        _Q5K_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    else:
-        _Q6K_1(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-
-
-@nb.njit(inline="always", **_JIT)
-def _tile2(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
-    if fmt == 0:
-        _Q40_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 1:
-        _Q41_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 2:
-        _Q50_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 3:
-        _Q80_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 4:
-        _Q4K_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 5:
-        _Q5K_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    else:
-        _Q6K_2(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-
-
-@nb.njit(inline="always", **_JIT)
-def _tile3(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
-    if fmt == 0:
-        _Q40_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 1:
-        _Q41_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 2:
-        _Q50_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 3:
-        _Q80_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 4:
-        _Q4K_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 5:
-        _Q5K_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    else:
-        _Q6K_3(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-
-
-@nb.njit(inline="always", **_JIT)
-def _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
-    if fmt == 0:
-        _Q40_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 1:
-        _Q41_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 2:
-        _Q50_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 3:
-        _Q80_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 4:
-        _Q4K_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    elif fmt == 5:
-        _Q5K_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-    else:
-        _Q6K_4(tile, xq, xd, xs, isum, t, n_blocks, out, o0)
-
-
-@nb.njit(inline="always", **_JIT)
-def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
+def _unit(formats, fmt, w, u, xq, xd, xs, isum, out, n_blocks):
     """Tile u of weight w (8 output rows) times every activation row; 4 activation rows at
     a time share each unpacked weight vector, then the 1-3 left share one."""
     n = xq.shape[0]
@@ -125,15 +49,35 @@ def _unit(fmt, w, u, xq, xd, xs, isum, out, n_blocks):
     tile = w[u]
     t = 0
     while t + 4 <= n:
-        _tile4(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+        _TILE4(formats, fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
         t += 4
     left = n - t
     if left == 3:
-        _tile3(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+        _TILE3(formats, fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
     elif left == 2:
-        _tile2(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+        _TILE2(formats, fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
     elif left == 1:
-        _tile1(fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+        _TILE1(formats, fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0)
+
+
+def format_set(names) -> FormatSet:
+    """The FormatSet of these weight types (FORMATS names)."""
+    return FormatSet(FORMATS.index(name) for name in names)
+
+
+def _quantize_for(formats, x, q8k):
+    """quantize(x, q8k), compiled with the branches of the activation formats `formats`
+    pair with alone."""
+
+
+@overload(_quantize_for, jit_options=_OVERLOAD_JIT)
+def _quantize_for_impl(formats, x, q8k):
+    q8_0, q8_k = FormatSet(formats.indices).q8k
+    if not q8_k:
+        return lambda formats, x, q8k: quantize_32(x)
+    if not q8_0:
+        return lambda formats, x, q8k: quantize_k(x)
+    return lambda formats, x, q8k: quantize(x, q8k)
 
 
 # The most weights that share one activation (Q, K and V). Every product runs through one
@@ -147,7 +91,7 @@ def _padded(ws):
     """ws (a tuple of 1..MANY arrays) padded to MANY with empty views of its first."""
 
 
-@overload(_padded, jit_options=dict(cache=True))
+@overload(_padded, jit_options=_OVERLOAD_JIT)
 def _padded_impl(ws):
     if ws.count == MANY:
         return lambda ws: ws
@@ -159,10 +103,10 @@ def _padded_impl(ws):
 
 
 @nb.njit(parallel=True, **_JIT)
-def matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size):
+def matmul_q_many(formats, ws, fmts, xq, xd, xs, isum, outs, block_size):
     """MANY weights (a tuple; empty ones take no time) of one activation format times the
-    same activations, in one thread launch. fmts int64 [MANY]: each one's FORMATS index;
-    outs a tuple of [n, out_columns(ws[i])]."""
+    same activations, in one thread launch. fmts int64 [MANY]: each one's FORMATS index,
+    one of `formats`; outs a tuple of [n, out_columns(ws[i])]."""
     n_blocks = xq.shape[1] // block_size
     starts = np.zeros(MANY + 1, np.int64)  # first global unit of each weight
     for i in range(MANY):
@@ -171,14 +115,15 @@ def matmul_q_many(ws, fmts, xq, xd, xs, isum, outs, block_size):
         i = 0
         while g >= starts[i + 1]:
             i += 1
-        _unit(fmts[i], ws[i], g - starts[i], xq, xd, xs, isum, outs[i], n_blocks)
+        _unit(formats, fmts[i], ws[i], g - starts[i], xq, xd, xs, isum, outs[i], n_blocks)
 
 
 @nb.njit(inline="always", **_JIT)
-def qmatmul_many(ws, x, fmts, block_size, q8k):
+def qmatmul_many(formats, ws, x, fmts, block_size, q8k):
     """Several weights (a tuple of 1..MANY) sharing one activation format: one quantization,
-    one thread launch; a list of their outputs. fmts int64 [len(ws)]."""
-    xq, xd, xs, isum = quantize(x, q8k)
+    one thread launch; a list of their outputs. fmts int64 [len(ws)], each one of the
+    FormatSet `formats`."""
+    xq, xd, xs, isum = _quantize_for(formats, x, q8k)
     w3 = _padded(ws)
     fmts3 = np.zeros(MANY, np.int64)
     for i in range(len(fmts)):  # a loop: a slice assignment compiles a shape-error path
@@ -188,12 +133,12 @@ def qmatmul_many(ws, x, fmts, block_size, q8k):
         np.empty((x.shape[0], out_columns(w3[1])), np.float32),
         np.empty((x.shape[0], out_columns(w3[2])), np.float32),
     )
-    matmul_q_many(w3, fmts3, xq, xd, xs, isum, outs, block_size)
+    matmul_q_many(formats, w3, fmts3, xq, xd, xs, isum, outs, block_size)
     return [outs[i] for i in range(len(ws))]
 
 
 @nb.njit(inline="always", **_JIT)
-def qmatmul(w, x, fmt, block_size, q8k):
-    """x float32 [n, n_in] times weight rows w of FORMATS[fmt]: quantize, multiply, in one
-    call from Python (a decode step makes hundreds of these)."""
-    return qmatmul_many((w,), x, np.full(1, fmt, np.int64), block_size, q8k)[0]
+def qmatmul(formats, w, x, fmt, block_size, q8k):
+    """x float32 [n, n_in] times weight rows w of FORMATS[fmt] (one of `formats`): quantize,
+    multiply, in one call from Python (a decode step makes hundreds of these)."""
+    return qmatmul_many(formats, (w,), x, np.full(1, fmt, np.int64), block_size, q8k)[0]

@@ -1,4 +1,9 @@
-"""Element-wise, normalization, rotary and attention kernels of the CPU backend."""
+"""Element-wise, normalization, rotary and attention kernels of the CPU backend.
+
+The element-wise, norm and rotary kernels run on one thread: a token's share is microseconds
+beside its products, a parallel loop (its thread launch and barrier, at every call) costs
+more than it saves at decode, and compiling each as a parallel kernel took about 0.4 s of a
+cold start. Attention and the products stay parallel."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ drop_stale_cache("ops", ("simd.py",))  # code it inlines
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)
 def rms_norm(x, weight, eps, out):
     """out [n, d] = x / sqrt(mean(x^2) + eps) * weight, rounded where llama.cpp's ggml rounds:
     each square in float32, summed in float64; the mean, mean + eps and the scale in float32.
@@ -23,7 +28,7 @@ def rms_norm(x, weight, eps, out):
     by up to ~0.1 nats from that alone.)"""
     n, d = x.shape
     eps32 = np.float32(eps)
-    for t in nb.prange(n):
+    for t in range(n):
         ss = 0.0
         for i in range(d):
             ss += np.float64(x[t, i] * x[t, i])
@@ -33,14 +38,14 @@ def rms_norm(x, weight, eps, out):
             out[t, i] = (x[t, i] * scale) * weight[i]
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)
 def rope(x, positions, n_dims, freq_base, freq_scale, neox, freq_factors):
     """Rotate x [n, heads, hd] in place; theta = pos * base^(-2i/n_dims) as llama.cpp's float32
     recurrence computes it; freq_factors [n_dims/2] divides theta when non-empty."""
     n, heads, _ = x.shape
     half = n_dims // 2
     theta_scale = np.float32(freq_base) ** np.float32(-2.0 / n_dims)
-    for t in nb.prange(n):
+    for t in range(n):
         cos = np.empty(half, np.float32)
         sin = np.empty(half, np.float32)
         power = np.float32(1)
@@ -73,10 +78,10 @@ def kv_store(k_cache, v_cache, k, v, slots):
                 v_cache[s, h, i] = f16_round(v[t, h, i])
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)
 def silu_mul(gate, up, out):
     n, f = gate.shape
-    for t in nb.prange(n):
+    for t in range(n):
         for i in range(f):
             g = gate[t, i]
             out[t, i] = g / (np.float32(1) + np.exp(-g)) * up[t, i]
@@ -92,12 +97,12 @@ def _dot_row(qf, k_cache, s, kv):
     return dot
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)
 def gelu_mul(gate, up, out):
     """out = gelu(gate) * up as llama.cpp's geglu: gate rounded to fp16, gelu (tanh form, in
     float32) rounded to fp16 as its lookup table holds it; 0 from -10 down, gate from 10 up."""
     n, f = gate.shape
-    for t in nb.prange(n):
+    for t in range(n):
         for i in range(f):
             g = gate[t, i]
             if g <= np.float32(-10):

@@ -21,7 +21,7 @@ from fastrun.backends.block import GELU_TANH
 from fastrun.backends.cpu import ops
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.fused import norm_qmatmul_many, rope_kv
-from fastrun.backends.cpu.matmul import FORMATS, qmatmul
+from fastrun.backends.cpu.matmul import FORMATS, format_set, qmatmul
 from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer, root_array
 
 drop_stale_cache(
@@ -53,13 +53,14 @@ def _add_branch(x, branch, post_norm, eps):
 
 @nb.njit(**_JIT)
 def run_blocks(
-    x, file, where, kernels, block_sizes, q8k, norms, bq, bk, bv, head_norms, post_norms,
+    formats, x, file, where, kernels, block_sizes, q8k, norms, bq, bk, bv, head_norms, post_norms,
     positions, placement, k_cache, v_cache, slots, starts, ring_k, ring_v, ring_slots,
     ring_starts, offsets, ring, eps, rope_dims, rope_neox, rope_bases, rope_scales, factors,
     windows, scale, softcap, gelu,
 ):  # fmt: skip
     """x [n, d] through every block, in place; returns x.
 
+    formats: the FormatSet of the matrices' types (matmul.format_set);
     file: the weights' kernel bytes (weights.kernel_bytes_in_one_buffer); where int64
     [L * 7, 3]: each matrix's (offset, units, bytes per unit), MATRICES order per layer;
     kernels int64 [L, 7] (matmul FORMATS index);
@@ -71,7 +72,8 @@ def run_blocks(
     slots and starts; ring_k, ring_v [ring layers, rows, hk, hd] with theirs, the
     sequences' ring offsets and R (runner/kv_cache.py: 0, no ring layers); per layer
     the RoPE base and scale and the attention window (0: none), float64/int64 [L]; softcap:
-    of the attention scores (0: none); gelu: GELU gating, else SiLU (backends/block.py)."""
+    of the attention scores (0: none); gelu: True for GELU gating, None for SiLU
+    (backends/block.py; None or not is part of the compiled signature)."""
     n = x.shape[0]
     hd = k_cache.shape[3]
     no_offsets = np.zeros_like(positions)
@@ -79,7 +81,7 @@ def run_blocks(
         w = 7 * layer
         qkv = (_rows(file, where, w), _rows(file, where, w + 1), _rows(file, where, w + 2))
         q, k, v = norm_qmatmul_many(
-            qkv, x, norms[layer, 0], eps, kernels[layer, :3], block_sizes[layer, 0],
+            formats, qkv, x, norms[layer, 0], eps, kernels[layer, :3], block_sizes[layer, 0],
             q8k[layer, 0],
         )  # fmt: skip
         if head_norms.shape[1]:  # each head's RMSNorm, in place (row by row: safe)
@@ -102,20 +104,20 @@ def run_blocks(
         ops.attention(q3, kc, vc, positions, first, scale, window, softcap, rows, shifted, attn)
         wo = _rows(file, where, w + 3)
         attn2 = attn.reshape((n, attn.shape[1] * attn.shape[2]))
-        out = qmatmul(wo, attn2, kernels[layer, 3], block_sizes[layer, 1], q8k[layer, 1])
+        out = qmatmul(formats, wo, attn2, kernels[layer, 3], block_sizes[layer, 1], q8k[layer, 1])
         _add_branch(x, out, post_norms[layer, 0] if post_norms.shape[1] else post_norms[0, 0], eps)
         gate_up = (_rows(file, where, w + 4), _rows(file, where, w + 5))
         gate, up = norm_qmatmul_many(
-            gate_up, x, norms[layer, 1], eps, kernels[layer, 4:6], block_sizes[layer, 2],
+            formats, gate_up, x, norms[layer, 1], eps, kernels[layer, 4:6], block_sizes[layer, 2],
             q8k[layer, 2],
         )  # fmt: skip
         gated = np.empty_like(gate)
-        if gelu:
+        if gelu is not None:  # known when compiling: only the gating used is compiled
             ops.gelu_mul(gate, up, gated)
         else:
             ops.silu_mul(gate, up, gated)
         down = _rows(file, where, w + 6)
-        out = qmatmul(down, gated, kernels[layer, 6], block_sizes[layer, 3], q8k[layer, 3])
+        out = qmatmul(formats, down, gated, kernels[layer, 6], block_sizes[layer, 3], q8k[layer, 3])
         _add_branch(x, out, post_norms[layer, 1] if post_norms.shape[1] else post_norms[0, 0], eps)
     return x
 
@@ -170,6 +172,11 @@ class CompiledBlocks:
         with_head = ws + ([head] if head is not None and head.qtype in FORMATS else [])
         self.file, self.where = kernel_bytes_in_one_buffer(with_head, source)
         self.kernels = np.array([w.kernel for w in ws], np.int64).reshape(len(layers), 7)
+        # the head's products too compile for the layers' formats and its own: one compile
+        # of the product kernel serves both
+        self.formats = format_set({w.qtype for w in with_head})
+        if len(with_head) > len(ws):
+            head.formats = self.formats
         products = [(layer.wq, layer.wo, layer.w_gate, layer.w_down) for layer in layers]
         self.block_sizes = np.array([[w.format.block_size for w in p] for p in products], np.int64)
         self.q8k = np.array([[w.format.activation == "Q8_K" for w in p] for p in products])
@@ -205,7 +212,7 @@ class CompiledBlocks:
         self.windows = np.array([spec.window for spec in block.layers], np.int64)
         self.scale = np.float32(block.attn_scale)
         self.softcap = np.float32(block.attn_softcap)
-        self.gelu = block.activation == GELU_TANH
+        self.gelu = True if block.activation == GELU_TANH else None
 
     def __call__(self, x, positions, placement, full, ring):
         def ints(a):
@@ -214,7 +221,7 @@ class CompiledBlocks:
         k_cache, v_cache, slots, starts = full
         ring_k, ring_v, ring_slots, ring_starts, offsets, rows = ring
         return run_blocks(
-            np.ascontiguousarray(x, np.float32), self.file, self.where, self.kernels,
+            self.formats, np.ascontiguousarray(x, np.float32), self.file, self.where, self.kernels,
             self.block_sizes, self.q8k, self.norms, *self.biases, self.head_norms,
             self.post_norms, ints(positions), placement, k_cache, v_cache, ints(slots),
             ints(starts), ring_k, ring_v, ints(ring_slots), ints(ring_starts), ints(offsets),

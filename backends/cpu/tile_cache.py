@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fastrun.formats.atomic_file import AtomicFile
+from fastrun.formats.cache_folder import cache_folder
 from fastrun.formats.errors import FastrunError
 
 MAGIC = b"FRTILES1"
@@ -38,15 +39,6 @@ LAYOUT_SOURCES = (
     _HERE.parent.parent / "quant" / "reference.py",
     _HERE.parent.parent / "quant" / "fast.py",
 )
-
-
-def folder() -> Path | None:
-    """Where cache files go; None when disabled."""
-    setting = os.environ.get("FASTRUN_TILE_CACHE")
-    if setting is not None:
-        return None if setting.lower() in ("", "0", "off") else Path(setting)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fastrun" / "tiles"
 
 
 def layout_digest() -> str:
@@ -72,7 +64,7 @@ def expected_header(model_path: str, weights: list[tuple[int, str, int, int]], t
 
 
 def path_for(header: dict) -> Path | None:
-    where = folder()
+    where = cache_folder()
     if where is None:
         return None
     name = hashlib.sha256(header["model"].encode()).hexdigest()[:32]

@@ -13,7 +13,8 @@ Every output is computed the same way whatever the number of activation rows or 
 agree bit for bit, which batch invariance needs.
 
 A tile format is its repacking (once at load, from quant.reference's block layouts) and the
-IR that multiplies one repacked block (`_*_block`); `TILE_FORMATS` lists them.
+IR that multiplies one repacked block (`_*_block`); `TILE_FORMATS` lists them. A compiled
+product holds the tile loops of the formats of its FormatSet argument alone.
 Integer partial sums stay in int16 only as far as they cannot overflow: 8 `vpmaddubsw`
 pairs of 4-bit values (8 * 2 * 15 * 127 < 2**15), 4 of 5-bit, 2 of 6-bit, 1 of 8-bit.
 """
@@ -28,7 +29,14 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import (
+    NativeValue,
+    intrinsic,
+    models,
+    register_model,
+    typeof_impl,
+    unbox,
+)
 
 from fastrun.backends.cpu.simd import (
     HAS_VNNI,
@@ -537,60 +545,141 @@ def repack(raw: np.ndarray, name: str, out: np.ndarray | None = None) -> np.ndar
 # -- the tile loop ------------------------------------------------------------------------------
 
 
-def _make_tile_product(name: str, n_tok: int):
+def _tile_product_codegen(name: str, n_tok: int):
+    """IR of out[t:t+n_tok, o0:o0+8] = the tile's 8 rows times activation rows t.. (n_tok),
+    for arguments (tile, xq, xd, xs, isum, t, n_blocks, out, o0)."""
     spec = TILE_FORMATS[name]
     block, n_acc = spec.block, 2 if spec.second else 1
     block_bytes = tile_block_bytes(name)
 
+    def codegen(context, builder, arg_types, args):
+        tile_p = context.make_array(arg_types[0])(context, builder, args[0]).data
+        t_v, nb_v, o0_v = args[5], args[6], args[8]
+        arrays = [
+            context.make_array(ty)(context, builder, v)
+            for ty, v in zip(arg_types[1:5], args[1:5], strict=True)
+        ]
+        out_a = context.make_array(arg_types[7])(context, builder, args[7])
+        out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)[1]
+        toks, outs = [], []
+        for k in range(n_tok):
+            tk = builder.add(t_v, _c64(k))
+            ptrs = []
+            for a in arrays:  # C-contiguous 2-D: row tk starts at tk * shape[1]
+                cols = cgutils.unpack_tuple(builder, a.shape, 2)[1]
+                ptrs.append(builder.gep(a.data, [builder.mul(tk, cols)]))
+            toks.append(_Tok(*ptrs))
+            outs.append(builder.gep(out_a.data, [builder.add(builder.mul(tk, out_cols), o0_v)]))
+
+        def step(bi, carried):
+            accs = [carried[n_acc * k : n_acc * (k + 1)] for k in range(n_tok)]
+            base = builder.mul(bi, _c64(block_bytes))
+            new = block(builder, tile_p, base, bi, toks, accs)
+            return [v for per_tok in new for v in per_tok]
+
+        zero = ir.Constant(_V8F, [0.0] * 8)
+        carried = counted_loop(builder, _c64(0), nb_v, 1, [zero] * (n_acc * n_tok), step)
+        for k in range(n_tok):
+            result = carried[n_acc * k]
+            if spec.second:  # min terms, summed apart as llama.cpp does, at the end
+                combine = builder.fsub if spec.second == "sub" else builder.fadd
+                result = combine(result, carried[n_acc * k + 1])
+            ptr = builder.bitcast(outs[k], _V8F.as_pointer())
+            builder.store(result, ptr, align=4)
+
+    return codegen
+
+
+# -- the formats a compiled product holds ---------------------------------------------------------
+#
+# Every product kernel takes a FormatSet as its first argument: the formats it may meet, known
+# when it is compiled (a model's, or one weight's), so that it holds the tile loops of those
+# formats alone. The seven formats' loops in every kernel were a quarter of a cold start's
+# compile time, for models that use one to three of them.
+
+TILE_NAMES = tuple(TILE_FORMATS)  # a format's index: what the kernels' `fmt` arguments hold
+
+
+class FormatSet:
+    """The tile formats (indices into TILE_NAMES) a compiled call may meet; part of the type
+    that Numba compiles the call for."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, indices):
+        self.indices = tuple(sorted(set(int(i) for i in indices)))
+        if not self.indices or not all(0 <= i < len(TILE_NAMES) for i in self.indices):
+            raise ValueError(f"no tile formats {indices!r}")
+
+    @property
+    def q8k(self) -> tuple[bool, ...]:
+        """For each activation kind the formats pair with, in order (Q8_0/Q8_1, Q8_K):
+        whether any of them does."""
+        kinds = {block_format(TILE_NAMES[i]).activation == "Q8_K" for i in self.indices}
+        return (False in kinds, True in kinds)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FormatSet) and other.indices == self.indices
+
+    def __hash__(self) -> int:
+        return hash(self.indices)
+
+    def __repr__(self) -> str:
+        return f"FormatSet({', '.join(TILE_NAMES[i] for i in self.indices)})"
+
+
+class FormatSetType(types.Type):
+    def __init__(self, indices: tuple[int, ...]):
+        self.indices = indices
+        super().__init__(name=repr(FormatSet(indices)))
+
+
+@typeof_impl.register(FormatSet)
+def _typeof_format_set(value, context):
+    return FormatSetType(value.indices)
+
+
+register_model(FormatSetType)(models.OpaqueModel)
+
+
+@unbox(FormatSetType)
+def _unbox_format_set(typ, obj, c):
+    return NativeValue(c.context.get_dummy_value())  # nothing at run time: all in the type
+
+
+def _make_tile_product(n_tok: int):
     @intrinsic
-    def tile_product(typingctx, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
-        """out[t:t+n_tok, o0:o0+8] = the tile's 8 rows times activation rows t.. (n_tok)."""
+    def tile_product(typingctx, formats, fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0):
+        """out[t:t+n_tok, o0:o0+8] = the tile (of format index fmt, one of `formats`) times
+        activation rows t.. (n_tok); the last of the formats for any other fmt."""
+        if not isinstance(formats, FormatSetType):
+            return None
+        bodies = [_tile_product_codegen(TILE_NAMES[i], n_tok) for i in formats.indices]
 
         def codegen(context, builder, sig, args):
-            tile_p = context.make_array(sig.args[0])(context, builder, args[0]).data
-            t_v, nb_v, o0_v = args[5], args[6], args[8]
-            arrays = [
-                context.make_array(ty)(context, builder, v)
-                for ty, v in zip(sig.args[1:5], args[1:5], strict=True)
-            ]
-            out_a = context.make_array(sig.args[7])(context, builder, args[7])
-            out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)[1]
-            toks, outs = [], []
-            for k in range(n_tok):
-                tk = builder.add(t_v, _c64(k))
-                ptrs = []
-                for a in arrays:  # C-contiguous 2-D: row tk starts at tk * shape[1]
-                    cols = cgutils.unpack_tuple(builder, a.shape, 2)[1]
-                    ptrs.append(builder.gep(a.data, [builder.mul(tk, cols)]))
-                toks.append(_Tok(*ptrs))
-                outs.append(builder.gep(out_a.data, [builder.add(builder.mul(tk, out_cols), o0_v)]))
-
-            def step(bi, carried):
-                accs = [carried[n_acc * k : n_acc * (k + 1)] for k in range(n_tok)]
-                base = builder.mul(bi, _c64(block_bytes))
-                new = block(builder, tile_p, base, bi, toks, accs)
-                return [v for per_tok in new for v in per_tok]
-
-            zero = ir.Constant(_V8F, [0.0] * 8)
-            carried = counted_loop(builder, _c64(0), nb_v, 1, [zero] * (n_acc * n_tok), step)
-            for k in range(n_tok):
-                result = carried[n_acc * k]
-                if spec.second:  # min terms, summed apart as llama.cpp does, at the end
-                    combine = builder.fsub if spec.second == "sub" else builder.fadd
-                    result = combine(result, carried[n_acc * k + 1])
-                ptr = builder.bitcast(outs[k], _V8F.as_pointer())
-                builder.store(result, ptr, align=4)
+            arg_types, inner = sig.args[2:], args[2:]
+            if len(bodies) == 1:
+                bodies[0](context, builder, arg_types, inner)
+                return context.get_dummy_value()
+            end = builder.append_basic_block("tile.done")
+            cases = [builder.append_basic_block(f"tile.{i}") for i in formats.indices]
+            switch = builder.switch(args[1], cases[-1])
+            for index, case, body in zip(formats.indices, cases, bodies, strict=True):
+                if case is not cases[-1]:
+                    switch.add_case(ir.Constant(args[1].type, index), case)
+                builder.position_at_end(case)
+                body(context, builder, arg_types, inner)
+                builder.branch(end)
+            builder.position_at_end(end)
             return context.get_dummy_value()
 
-        return types.void(tile, xq, xd, xs, isum, t, n_blocks, out, o0), codegen
+        return types.void(formats, fmt, tile, xq, xd, xs, isum, t, n_blocks, out, o0), codegen
 
     return tile_product
 
 
-# name -> (one-, two-, three- and four-token tile products): a product over n tokens takes
-# fours, then one product for the 1-3 left, so that each unpacked weight vector serves as many
-# tokens as possible (speculation's checking passes are mostly 2-5 tokens)
+# n_tok -> the product over n_tok tokens: a product over n tokens takes fours, then one
+# product for the 1-3 left, so that each unpacked weight vector serves as many tokens as
+# possible (speculation's checking passes are mostly 2-5 tokens)
 TILE_TOKENS = (1, 2, 3, 4)
-TILE_PRODUCTS = {
-    name: tuple(_make_tile_product(name, n) for n in TILE_TOKENS) for name in TILE_FORMATS
-}
+TILE_PRODUCTS = {n: _make_tile_product(n) for n in TILE_TOKENS}

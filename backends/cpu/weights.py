@@ -3,6 +3,8 @@ on first use, or for all layers of a model into one buffer)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import numba
 import numpy as np
 
@@ -26,6 +28,7 @@ class CPUWeight(Weight):
             self.float_tiles = float_tiles.to_float_tiles(raw, qtype, n_out, n_in)
         elif qtype in matmul.FORMATS:
             self.kernel = matmul.FORMATS.index(qtype)
+            self.formats = matmul.format_set([qtype])  # what its own products compile for
         else:
             raise FastrunError(f"the CPU backend has no matmul for {qtype} weights")
 
@@ -53,15 +56,14 @@ class CPUWeight(Weight):
         packed.flags.writeable = False  # one compiled signature: read-only weight bytes
         self._kernel_bytes = packed
 
-    def adopt_kernel_bytes(self, packed: np.ndarray) -> bool:
-        """Use tiles repacked before (read-only uint8 of kernel_shape, from the tile cache)
-        if its first and last tiles are what repacking gives now; whether they were."""
-        for tile in sorted({0, (self.raw.shape[0] - 1) // tiles.TILE_ROWS}):
-            rows = self.raw[tile * tiles.TILE_ROWS : (tile + 1) * tiles.TILE_ROWS]
-            if not np.array_equal(tiles.repack(rows, self.qtype)[0], packed[tile]):
-                return False
+    def spot_tiles(self) -> list[int]:
+        """The tiles a cached repack is checked by: the first and the last."""
+        return sorted({0, (self.raw.shape[0] - 1) // tiles.TILE_ROWS})
+
+    def adopt_kernel_bytes(self, packed: np.ndarray) -> None:
+        """Use tiles repacked before (read-only uint8 of kernel_shape, from the tile cache,
+        its spot tiles checked)."""
         self._kernel_bytes = packed
-        return True
 
 
 def root_array(raw: np.ndarray) -> np.ndarray:
@@ -99,17 +101,39 @@ def kernel_bytes_in_one_buffer(weights, source: str | None = None):
 
 
 def _adopt_all(cached: np.ndarray, views) -> bool:
-    """Each weight adopts its view of the cached tiles, if every spot check passes. On one
-    thread: the checks repack single tiles, too small for a parallel loop to pay (on a busy
-    machine each would wait for a descheduled thread)."""
+    """Each weight adopts its view of the cached tiles if its spot tiles are what repacking
+    gives now. The spot tiles of all weights of one format and width are repacked in one
+    call (a call per tile was most of a warm load), on one thread: too small for a parallel
+    loop to pay (on a busy machine each would wait for a descheduled thread)."""
+    groups = defaultdict(list)  # (type, n_in) -> (weight, its cached tiles)
+    for w, at, n, shape in views:
+        groups[w.qtype, w.n_in].append((w, cached[at : at + n].reshape(shape)))
     threads = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
-        return all(
-            w.adopt_kernel_bytes(cached[at : at + n].reshape(shape)) for w, at, n, shape in views
-        )
+        for (qtype, _), members in groups.items():
+            rows, expected = [], []
+            for w, packed in members:
+                for tile in w.spot_tiles():
+                    rows.append(_tile_rows(w.raw, tile))
+                    expected.append(packed[tile])
+            if not np.array_equal(tiles.repack(np.concatenate(rows), qtype), np.stack(expected)):
+                return False
     finally:
         numba.set_num_threads(threads)
+    for members in groups.values():
+        for w, packed in members:
+            w.adopt_kernel_bytes(packed)
+    return True
+
+
+def _tile_rows(raw: np.ndarray, tile: int) -> np.ndarray:
+    """The raw rows of one tile, zero rows past the last (as repack pads a weight)."""
+    rows = raw[tile * tiles.TILE_ROWS : (tile + 1) * tiles.TILE_ROWS]
+    if rows.shape[0] == tiles.TILE_ROWS:
+        return rows
+    padding = np.zeros((tiles.TILE_ROWS - rows.shape[0], rows.shape[1]), np.uint8)
+    return np.concatenate([rows, padding])
 
 
 def _origins(weights) -> list[tuple[int, str, int, int]]:

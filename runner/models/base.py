@@ -81,7 +81,7 @@ class TransformerConfig:
         value_dim = f.get(keys.VALUE_LENGTH)
         if value_dim is not None and value_dim != head_dim:
             refuse(f"value length {value_dim} differs from key length {head_dim} (unsupported)")
-        n_vocab = len(f.get(keys.TOKENS) or []) or f.require(keys.VOCAB_SIZE)
+        n_vocab = f.count(keys.TOKENS) or f.require(keys.VOCAB_SIZE)
         scale = 1.0
         if f.get(keys.ROPE_SCALING_TYPE) == "linear" and f.get(keys.ROPE_SCALING_FACTOR):
             scale = 1.0 / f.get(keys.ROPE_SCALING_FACTOR)
