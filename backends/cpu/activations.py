@@ -5,8 +5,8 @@ K-quants: 256-value blocks with 16-value partial sums). Scales are rounded throu
 llama.cpp stores them as fp16, and Q8_0/Q8_1 round as its x86 SIMD path does (inverse scale
 127/amax, ties to even), so results match quant.reference.quantize_activation_ref.
 
-On one thread: a row's quantization is a small fraction of its products (ops.py says why the
-light kernels are not parallel loops).
+In parallel from ops.PARALLEL_ROWS rows on (prefill), on one thread below (decode), as the
+element-wise kernels of ops.py.
 """
 
 from __future__ import annotations
@@ -15,65 +15,84 @@ import numba as nb
 import numpy as np
 
 from fastrun.backends.cpu.cache import drop_stale_cache
+from fastrun.backends.cpu.ops import PARALLEL_ROWS
 from fastrun.backends.cpu.simd import f16_round
 
-drop_stale_cache("activations", ("simd.py",))  # code it inlines
+drop_stale_cache("activations", ("simd.py", "ops.py"))  # code and constants it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=False)
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
+def _q8_0_row(x, xq, xd, xs, isum, t):
+    for b in range(x.shape[1] // 32):
+        amax = np.float32(0)
+        for j in range(32):
+            amax = max(amax, abs(x[t, b * 32 + j]))
+        d = amax / np.float32(127)
+        inv = np.float32(127) / amax if amax != 0 else np.float32(0)
+        total = 0
+        for j in range(32):
+            q = np.int32(np.rint(x[t, b * 32 + j] * inv))
+            xq[t, b * 32 + j] = q
+            total += q
+        xd[t, b] = f16_round(d)
+        xs[t, b] = f16_round(np.float32(total) * d)
+        isum[t, b] = total
+
+
+@nb.njit(parallel=True, **_JIT)
 def quantize_q8_0(x, xq, xd, xs, isum):
     """x [n, k] -> xq int8 [n, k], xd [n, k/32] scales, xs [n, k/32] scaled block sums (Q8_1),
     isum int32 [n, k/32] integer block sums (for weights stored with an offset)."""
-    n, k = x.shape
-    for t in range(n):
-        for b in range(k // 32):
-            amax = np.float32(0)
-            for j in range(32):
-                amax = max(amax, abs(x[t, b * 32 + j]))
-            d = amax / np.float32(127)
-            inv = np.float32(127) / amax if amax != 0 else np.float32(0)
+    n = x.shape[0]
+    if n < PARALLEL_ROWS:
+        for t in range(n):
+            _q8_0_row(x, xq, xd, xs, isum, t)
+    else:
+        for t in nb.prange(n):
+            _q8_0_row(x, xq, xd, xs, isum, t)
+
+
+@nb.njit(inline="always", **_JIT)
+def _q8_k_row(x, xq, xd, bsums, t):
+    for b in range(x.shape[1] // 256):
+        amax = np.float32(0)
+        signed_max = np.float32(0)
+        for j in range(256):
+            v = x[t, b * 256 + j]
+            if abs(v) > amax:
+                amax = abs(v)
+                signed_max = v
+        if amax == 0:
+            xd[t, b] = 0
+            for j in range(256):
+                xq[t, b * 256 + j] = 0
+            for g in range(16):
+                bsums[t, b * 16 + g] = 0
+            continue
+        iscale = np.float32(-127) / signed_max
+        for g in range(16):
             total = 0
-            for j in range(32):
-                q = np.int32(np.rint(x[t, b * 32 + j] * inv))
-                xq[t, b * 32 + j] = q
+            for j in range(16):
+                i = b * 256 + g * 16 + j
+                q = min(127, np.int32(np.rint(iscale * x[t, i])))
+                xq[t, i] = q
                 total += q
-            xd[t, b] = f16_round(d)
-            xs[t, b] = f16_round(np.float32(total) * d)
-            isum[t, b] = total
+            bsums[t, b * 16 + g] = total
+        xd[t, b] = np.float32(1) / iscale
 
 
-@nb.njit(**_JIT)
+@nb.njit(parallel=True, **_JIT)
 def quantize_q8_k(x, xq, xd, bsums):
     """x [n, k] -> xq int8 [n, k], xd [n, k/256], bsums int32 [n, k/16]."""
-    n, k = x.shape
-    for t in range(n):
-        for b in range(k // 256):
-            amax = np.float32(0)
-            signed_max = np.float32(0)
-            for j in range(256):
-                v = x[t, b * 256 + j]
-                if abs(v) > amax:
-                    amax = abs(v)
-                    signed_max = v
-            if amax == 0:
-                xd[t, b] = 0
-                for j in range(256):
-                    xq[t, b * 256 + j] = 0
-                for g in range(16):
-                    bsums[t, b * 16 + g] = 0
-                continue
-            iscale = np.float32(-127) / signed_max
-            for g in range(16):
-                total = 0
-                for j in range(16):
-                    i = b * 256 + g * 16 + j
-                    q = min(127, np.int32(np.rint(iscale * x[t, i])))
-                    xq[t, i] = q
-                    total += q
-                bsums[t, b * 16 + g] = total
-            xd[t, b] = np.float32(1) / iscale
+    n = x.shape[0]
+    if n < PARALLEL_ROWS:
+        for t in range(n):
+            _q8_k_row(x, xq, xd, bsums, t)
+    else:
+        for t in nb.prange(n):
+            _q8_k_row(x, xq, xd, bsums, t)
 
 
 @nb.njit(inline="always", **_JIT)

@@ -1,9 +1,9 @@
 """Element-wise, normalization, rotary and attention kernels of the CPU backend.
 
-The element-wise, norm and rotary kernels run on one thread: a token's share is microseconds
-beside its products, a parallel loop (its thread launch and barrier, at every call) costs
-more than it saves at decode, and compiling each as a parallel kernel took about 0.4 s of a
-cold start. Attention and the products stay parallel."""
+The element-wise and norm kernels split their rows over the threads only from PARALLEL_ROWS
+rows on (prefill): at decode a token's share is microseconds beside its products, and a
+parallel loop's thread launch and barrier at every call cost more than they save. RoPE runs on
+one thread (its work is a few heads a token); attention and the products are parallel."""
 
 from __future__ import annotations
 
@@ -18,24 +18,37 @@ from fastrun.backends.cpu.simd import ROW_SUM_WIDTH, f16_round, weighted_row_sum
 drop_stale_cache("ops", ("simd.py",))  # code it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
+# Rows from which the element-wise and norm kernels run in parallel (Gemma-3-270M's pp256 lost
+# a third of its speed with GELU, RMSNorm and the activation quantization on one thread)
+PARALLEL_ROWS = 16
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
+def _rms_norm_row(x, weight, eps32, out, t):
+    d = x.shape[1]
+    ss = 0.0
+    for i in range(d):
+        ss += np.float64(x[t, i] * x[t, i])
+    mean = np.float32(ss / d)
+    scale = np.float32(1) / np.float32(math.sqrt(mean + eps32))
+    for i in range(d):
+        out[t, i] = (x[t, i] * scale) * weight[i]
+
+
+@nb.njit(parallel=True, **_JIT)
 def rms_norm(x, weight, eps, out):
     """out [n, d] = x / sqrt(mean(x^2) + eps) * weight, rounded where llama.cpp's ggml rounds:
     each square in float32, summed in float64; the mean, mean + eps and the scale in float32.
     (A float64 scale differs from it by an ulp for about half the rows; Gemma 3's logits move
     by up to ~0.1 nats from that alone.)"""
-    n, d = x.shape
+    n = x.shape[0]
     eps32 = np.float32(eps)
-    for t in range(n):
-        ss = 0.0
-        for i in range(d):
-            ss += np.float64(x[t, i] * x[t, i])
-        mean = np.float32(ss / d)
-        scale = np.float32(1) / np.float32(math.sqrt(mean + eps32))
-        for i in range(d):
-            out[t, i] = (x[t, i] * scale) * weight[i]
+    if n < PARALLEL_ROWS:
+        for t in range(n):
+            _rms_norm_row(x, weight, eps32, out, t)
+    else:
+        for t in nb.prange(n):
+            _rms_norm_row(x, weight, eps32, out, t)
 
 
 @nb.njit(**_JIT)
@@ -78,13 +91,22 @@ def kv_store(k_cache, v_cache, k, v, slots):
                 v_cache[s, h, i] = f16_round(v[t, h, i])
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
+def _silu_row(gate, up, out, t):
+    for i in range(gate.shape[1]):
+        g = gate[t, i]
+        out[t, i] = g / (np.float32(1) + np.exp(-g)) * up[t, i]
+
+
+@nb.njit(parallel=True, **_JIT)
 def silu_mul(gate, up, out):
-    n, f = gate.shape
-    for t in range(n):
-        for i in range(f):
-            g = gate[t, i]
-            out[t, i] = g / (np.float32(1) + np.exp(-g)) * up[t, i]
+    n = gate.shape[0]
+    if n < PARALLEL_ROWS:
+        for t in range(n):
+            _silu_row(gate, up, out, t)
+    else:
+        for t in nb.prange(n):
+            _silu_row(gate, up, out, t)
 
 
 @nb.njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
@@ -97,27 +119,36 @@ def _dot_row(qf, k_cache, s, kv):
     return dot
 
 
-@nb.njit(**_JIT)
+@nb.njit(inline="always", **_JIT)
+def _gelu_row(gate, up, out, t):
+    for i in range(gate.shape[1]):
+        g = gate[t, i]
+        if g <= np.float32(-10):
+            gelu = np.float32(0)
+        elif g >= np.float32(10):
+            gelu = g
+        else:
+            # as reference.gelu_tanh: llama.cpp's table entry, bit for bit
+            x = f16_round(g)
+            ax = np.float32(0.044715) * x
+            poly = np.float32(np.float64(ax) * np.float64(x) + 1.0)  # fma(a*x, x, 1)
+            inner = np.float32(0.7978845608028654) * x * poly
+            tanh = np.float32(np.tanh(np.float64(inner)))
+            gelu = f16_round(np.float32(0.5) * x * (np.float32(1) + tanh))
+        out[t, i] = gelu * up[t, i]
+
+
+@nb.njit(parallel=True, **_JIT)
 def gelu_mul(gate, up, out):
     """out = gelu(gate) * up as llama.cpp's geglu: gate rounded to fp16, gelu (tanh form, in
     float32) rounded to fp16 as its lookup table holds it; 0 from -10 down, gate from 10 up."""
-    n, f = gate.shape
-    for t in range(n):
-        for i in range(f):
-            g = gate[t, i]
-            if g <= np.float32(-10):
-                gelu = np.float32(0)
-            elif g >= np.float32(10):
-                gelu = g
-            else:
-                # as reference.gelu_tanh: llama.cpp's table entry, bit for bit
-                x = f16_round(g)
-                ax = np.float32(0.044715) * x
-                poly = np.float32(np.float64(ax) * np.float64(x) + 1.0)  # fma(a*x, x, 1)
-                inner = np.float32(0.7978845608028654) * x * poly
-                tanh = np.float32(np.tanh(np.float64(inner)))
-                gelu = f16_round(np.float32(0.5) * x * (np.float32(1) + tanh))
-            out[t, i] = gelu * up[t, i]
+    n = gate.shape[0]
+    if n < PARALLEL_ROWS:
+        for t in range(n):
+            _gelu_row(gate, up, out, t)
+    else:
+        for t in nb.prange(n):
+            _gelu_row(gate, up, out, t)
 
 
 @nb.njit(inline="always", **_JIT)
