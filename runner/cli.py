@@ -225,14 +225,22 @@ def console(argv: list[str] | None = None) -> int:
     loads (app.start_up_without_gc) and what is alive at the end is frozen (gc.freeze), so
     that the interpreter's last collections skip it: they visited every object of the run
     (Numba's types and compiled functions, the vocabulary, ...), 0.15 s of a one-token run.
-    Finalizers run as before."""
+    Finalizers run as before. After a Ctrl-C nothing is frozen: a compile cut short leaves
+    LLVM objects in reference cycles, and unless they are collected LLVM's checks at exit
+    abort the process (exit -6 instead of 130)."""
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in _LOADING_COMMANDS:
         start_up_without_gc()
+    code = EXIT_INTERRUPTED  # until main returns
     try:
-        return main(argv)
+        code = main(argv)
+        return code
     finally:
-        gc.freeze()
+        if code == EXIT_INTERRUPTED:
+            gc.enable()
+            gc.collect()
+        else:
+            gc.freeze()
 
 
 if __name__ == "__main__":
