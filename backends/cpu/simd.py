@@ -123,6 +123,13 @@ def widen_pairs(builder, p, s):
     return _even_plus_odd(builder, products)
 
 
+def prefetch(builder, ptr):
+    """A hint to fetch the cache line at ptr (an i8 pointer) into every level; never faults."""
+    i32 = ir.IntType(32)
+    fn = _intrinsic_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr.type, i32, i32, i32])
+    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def counted_loop(builder, start, stop, step, init, body):
     """for i in range(start, stop, step): values = body(i, values); returns the final values
     (`init` when the loop runs zero times)."""
