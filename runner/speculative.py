@@ -22,9 +22,11 @@ drafts at all unless that beats plain decoding by a margin (estimates are noisy;
 barely pays is not worth the risk). Sizes of pass never measured are priced along the measured
 ones (interpolated, or extended along the slope of the two largest; a pass of 2 tokens, with
 only 1 measured, as cheap as 1, so that it is tried). Acceptance forgets per checked token, so
-a collapse shows within a few passes; a drafter the plan declines is probed again with a
-one-token draft after a wait that doubles with each probe the plan does not follow, as long
-as the probe is cheap (a draft model far behind would first read all it missed).
+a collapse shows within a few passes; before any is checked, a draft model's acceptance is
+taken as its p_min (it proposes only tokens it is that sure of), lookup's as ACCEPT_PRIOR. A
+drafter the plan declines is probed with a one-token draft at once, then after a wait that
+doubles with each probe the plan does not follow, as long as the probe is cheap (a draft
+model far behind would first read all it missed).
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ COST_WEIGHT = 0.3  # of each new measurement of a pass's seconds in its running 
 LOAD_WEIGHT = 0.1  # of a measurement's surprise passed on to the other sizes (the load)
 SURPRISE_MAX = 2.0  # one measurement moves an estimate by this factor at most (outliers)
 STALE_SECONDS = 10.0  # a size not measured for this long beside fresher ones is tried again
-ACCEPT_PRIOR = 0.5  # acceptance assumed before any draft was checked
+ACCEPT_PRIOR = 0.5  # acceptance assumed before any draft was checked (a draft model: its p_min)
 ACCEPT_DECAY = 0.92  # per checked drafted token: a window of about 12 tokens
 MIN_SPEEDUP = 1.05  # drafts must promise this much over plain decoding, or none are drafted
 PROBE_WAIT_FIRST = 8  # declined steps before a declined drafter is tried again with one token
 PROBE_WAIT_MAX = 64  # the longest wait (it doubles with each probe the plan does not follow)
-PROBE_COST_MAX = 1.0  # plain steps a probe may cost beyond its step (a draft's catch-up)
+PROBE_COST_MAX = 2.0  # plain steps a probe may cost beyond its step (a draft's catch-up)
 
 
 @dataclass(frozen=True)
@@ -247,12 +249,14 @@ class Acceptance:
 
 @dataclass
 class Probing:
-    """When a drafter the plans decline is tried again: a one-token draft after `wait` declined
-    steps, the wait doubling with each probe (up to PROBE_WAIT_MAX) until the plan drafts on
-    its own again. A probe costs at most a pass of two tokens and a draft step where the
-    drafter is a model; it refreshes the acceptance that plans read."""
+    """When a drafter the plans decline is tried again: at a request's first declined step
+    (a draft model has just read the prompt, so its probe runs one token: later, behind by
+    the steps it missed, its probes cost ever more), then a one-token draft after `wait`
+    declined steps, the wait doubling with each probe (up to PROBE_WAIT_MAX) until the plan
+    drafts on its own again. A probe costs at most a pass of two tokens and a draft step
+    where the drafter is a model; it refreshes the acceptance that plans read."""
 
-    wait: int = PROBE_WAIT_FIRST
+    wait: int = 1
     declined: int = 0
 
     def due(self) -> bool:
@@ -261,7 +265,7 @@ class Probing:
         if self.declined < self.wait:
             return False
         self.declined = 0
-        self.wait = min(2 * self.wait, PROBE_WAIT_MAX)
+        self.wait = min(max(2 * self.wait, PROBE_WAIT_FIRST), PROBE_WAIT_MAX)
         return True
 
     def drafting(self) -> None:
@@ -667,7 +671,10 @@ class Speculator:
 
     def _rate(self, state: SequenceState, label: str) -> float:
         overall = self.acceptance.setdefault(label, Acceptance())
-        return state.acceptance.setdefault(label, Acceptance()).rate(overall.rate(ACCEPT_PRIOR))
+        prior = ACCEPT_PRIOR
+        if label == ModelDrafter.kind:  # it proposes only tokens it gives at least p_min
+            prior = max(prior, self.settings.draft_p_min)
+        return state.acceptance.setdefault(label, Acceptance()).rate(overall.rate(prior))
 
     def drafts(self, requests: list, budget: int) -> dict:
         """Drafts for some of the decoding requests (each then runs 1 + len(draft) tokens);
