@@ -510,10 +510,13 @@ def test_cuda_greedy_speculation_equals_plain(tiny_model, draft_model, smollm2_p
         assert sum(c.drafted_tokens for c in got) > 0
 
 
-def _equal_up_to_a_near_tie(model, prompt, tokens, wanted, tie=0.1):
+def _equal_up_to_a_near_tie(model, prompt, tokens, wanted, tie=0.5):
     """Greedy tokens equal until the first position where the plain run's two best choices
-    lie within `tie`: CUDA's checking passes multiply several rows through other kernels
-    than a one-token step, so their float sums may break a near tie the other way."""
+    lie within `tie`: CUDA's checking passes of 5 or more tokens multiply through the tensor-
+    core kernel, whose float sums differ from a one-token step's in the last bits (2e-7 of
+    the outputs), and each layer's 8-bit requantization carries that on: on SmolLM2 a 5-9
+    token pass's logits differ from one-token steps' by up to 0.4-1.0 (the largest over the
+    vocabulary; measured on the H200, 2026-12-02)."""
     same = next((i for i, (a, b) in enumerate(zip(tokens, wanted, strict=False)) if a != b), None)
     if same is None:
         assert len(tokens) == len(wanted)
