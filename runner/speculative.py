@@ -53,7 +53,7 @@ STALE_SECONDS = 10.0  # a size not measured for this long beside fresher ones is
 ACCEPT_PRIOR = 0.5  # acceptance assumed before any draft was checked (a draft model: its p_min)
 ACCEPT_DECAY = 0.92  # per checked drafted token: a window of about 12 tokens
 MIN_SPEEDUP = 1.05  # drafts must promise this much over plain decoding, or none are drafted
-PROBE_WAIT_FIRST = 8  # declined steps before a declined drafter is tried again with one token
+PROBE_WAIT_FIRST = 8  # declined steps after the first probe (at once) before the next one
 PROBE_WAIT_MAX = 64  # the longest wait (it doubles with each probe the plan does not follow)
 PROBE_COST_MAX = 2.0  # plain steps a probe may cost beyond its step (a draft's catch-up)
 
@@ -388,6 +388,10 @@ class LookupDrafter:
     def lead(self, request, label: str) -> int:
         return 0
 
+    def prior(self, label: str) -> float:
+        """The acceptance assumed before any of this label's drafts was checked."""
+        return ACCEPT_PRIOR
+
     def prefill(self, requests) -> None:
         pass
 
@@ -456,6 +460,10 @@ class ModelDrafter:
         """Tokens of the context the draft's cells keep; the last token always runs again:
         its logits give the first draft."""
         return self._cache(request).reusable_prefix(context, len(context) - 1)
+
+    def prior(self, label: str) -> float:
+        """It proposes only tokens it gives at least p_min: about that share is right."""
+        return max(ACCEPT_PRIOR, self.p_min)
 
     def lead(self, request, label: str) -> int:
         """Tokens the draft's first pass runs for this sequence: the ones it has not seen."""
@@ -577,6 +585,9 @@ class LookupThenModel:
     def lead(self, request, label: str) -> int:
         return self.model.lead(request, label) if label == self.model.kind else 0
 
+    def prior(self, label: str) -> float:
+        return (self.model if label == self.model.kind else self.lookup).prior(label)
+
     def prefill(self, requests) -> None:
         self.model.prefill(requests)
 
@@ -671,9 +682,7 @@ class Speculator:
 
     def _rate(self, state: SequenceState, label: str) -> float:
         overall = self.acceptance.setdefault(label, Acceptance())
-        prior = ACCEPT_PRIOR
-        if label == ModelDrafter.kind:  # it proposes only tokens it gives at least p_min
-            prior = max(prior, self.settings.draft_p_min)
+        prior = self.drafter.prior(label)
         return state.acceptance.setdefault(label, Acceptance()).rate(overall.rate(prior))
 
     def drafts(self, requests: list, budget: int) -> dict:
