@@ -18,7 +18,7 @@ import numba as nb
 import numpy as np
 
 from fastrun.backends.block import GELU_TANH
-from fastrun.backends.cpu import ops
+from fastrun.backends.cpu import ops, side_compile
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.fused import norm_qmatmul_many, rope_kv
 from fastrun.backends.cpu.matmul import FORMATS, format_set, qmatmul
@@ -167,16 +167,22 @@ class CompiledBlocks:
 
     def __init__(self, layers, eps: float, block, source: str | None = None, head=None):
         ws = [getattr(layer, name) for layer in layers for name in MATRICES]
-        # repacked (or from the tile cache, source the model file), as one array; the head's
-        # tiles after the layers' (the stack does not read them: one cache file for both)
         with_head = ws + ([head] if head is not None and head.qtype in FORMATS else [])
-        self.file, self.where = kernel_bytes_in_one_buffer(with_head, source)
-        self.kernels = np.array([w.kernel for w in ws], np.int64).reshape(len(layers), 7)
         # the head's products too compile for the layers' formats and its own: one compile
         # of the product kernel serves both
-        self.formats = format_set({w.qtype for w in with_head})
+        names = tuple(sorted({w.qtype for w in with_head}))
+        self.formats = format_set(names)
         if len(with_head) > len(ws):
             head.formats = self.formats
+        # a first run: half of the stack's kernels (and the head's product) compile on a
+        # second core from here on
+        self._side_compile = side_compile.start(
+            block.activation, names if len(with_head) > len(ws) else ()
+        )
+        # repacked (or from the tile cache, source the model file), as one array; the head's
+        # tiles after the layers' (the stack does not read them: one cache file for both)
+        self.file, self.where = kernel_bytes_in_one_buffer(with_head, source)
+        self.kernels = np.array([w.kernel for w in ws], np.int64).reshape(len(layers), 7)
         products = [(layer.wq, layer.wo, layer.w_gate, layer.w_down) for layer in layers]
         self.block_sizes = np.array([[w.format.block_size for w in p] for p in products], np.int64)
         self.q8k = np.array([[w.format.activation == "Q8_K" for w in p] for p in products])
