@@ -5,6 +5,7 @@ kernels load from it without Numba's registry refresh."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from numba.core import caching
@@ -29,6 +30,17 @@ def drop_stale_cache(stem: str, sources: tuple[str, ...]) -> None:
         stamp.write_text(digest)
     except OSError:
         pass  # a read-only install: Numba then caches elsewhere, or not at all
+
+
+def in_cache(dispatcher) -> bool:
+    """Whether Numba's cache holds compiled code of this kernel (its index file exists; for
+    some signature: where a start needs one it lacks, it compiles that as ever); True where
+    the cache cannot be written either, as nothing will come to be in it."""
+    try:
+        index = dispatcher._cache._cache_file._index_path
+        return os.path.exists(index) or not os.access(os.path.dirname(index) or ".", os.W_OK)
+    except (AttributeError, OSError):
+        return True
 
 
 def _load_without_refresh(load_overload):

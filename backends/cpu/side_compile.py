@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 
+from fastrun.backends.cpu.cache import in_cache
+
 GATINGS = {"silu": "silu_mul", "gelu_tanh": "gelu_mul"}
 
 
@@ -54,18 +56,6 @@ def _kernels(activation: str, formats: tuple[str, ...]) -> list[tuple[str, objec
         head = (format_set, tiles, rows, i64, i64, types.boolean)
         kernels.append(("qmatmul", matmul.qmatmul, head))
     return kernels
-
-
-def _cached(dispatcher) -> bool:
-    """Whether Numba's cache holds compiled code of this kernel (its index file exists);
-    True where the cache cannot be written, so that nothing waits on it."""
-    try:
-        cache_file = dispatcher._cache._cache_file
-        return os.path.exists(cache_file._index_path) or not os.access(
-            os.path.dirname(cache_file._index_path) or ".", os.W_OK
-        )
-    except (AttributeError, OSError):
-        return True
 
 
 class SideCompile:
@@ -122,7 +112,7 @@ def start(activation: str, formats: tuple[str, ...] = ()) -> SideCompile | None:
     if (cores or 1) < 2:
         return None
     kernels = _kernels(activation, formats)
-    if all(_cached(dispatcher) for _, dispatcher, _ in kernels[: len(kernels) - bool(formats)]):
+    if all(in_cache(dispatcher) for _, dispatcher, _ in kernels[: len(kernels) - bool(formats)]):
         return None
     try:
         return SideCompile(activation, formats, kernels)
