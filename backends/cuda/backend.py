@@ -58,6 +58,18 @@ SMALL_STAGE = int(os.environ.get("FASTRUN_SMALL_STAGE", str(100 * 1024)))
 FEW_MMA_FROM = int(os.environ.get("FASTRUN_FEW_MMA_FROM", "0"))
 FEW_MMA_WARPS = int(os.environ.get("FASTRUN_FEW_MMA_WARPS", "8"))
 FEW_MMA_UNROLL = 4
+# Products of more than SMALL_BATCH and up to EXACT_BATCH tokens take matmul_exact
+# (matmul.cu) instead of the tensor-core matmul_mma: int8 tensor cores too, and every token's
+# result bit for bit the one-token matvec_q's (its float sums in matvec_q's order), so with
+# matvec_tile below them a checking pass computes the numbers one-token steps do. Off (0) by
+# default: on the H200 it is slower than matmul_mma (7B Q4_0 checking passes of 5-8 tokens
+# 1.84-1.98x a decode step against 1.57-1.72x, 9 tokens 2.40x against 1.76x; batched decode
+# of 16 sequences 3045 tok/s against 4041; BENCHMARKS.md, eighth session), and speed comes
+# first. FASTRUN_EXACT_BATCH=16 makes every product of 2..16 tokens exact.
+# EXACT_TUNING: "rounds of loads in flight a warp,blocks an SM must hold" (EXACT_ROUNDS,
+# EXACT_MIN_BLOCKS; 2 or 4 rounds, or one block, were slower).
+EXACT_BATCH = int(os.environ.get("FASTRUN_EXACT_BATCH", "0"))
+EXACT_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_EXACT", "1,2").split(","))
 # one token through matvec_tile as well, "rows a warp:groups in flight:warps a block" (empty:
 # matvec_q, tuned by FASTRUN_MATVEC)
 ONE_TILE = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC1_TILE", "").split(":") if v)
@@ -77,6 +89,7 @@ MMA_SM_SHARED = int(os.environ.get("FASTRUN_MMA_SHARED", str(160 * 1024)))
 MMA_CHUNK = 128  # bytes of a row's plane 0 per chunk (matmul.cu)
 MMA_MAX_STAGES = 4  # tiles in a warp's copy ring at most (matmul.cu)
 MMA_TOKENS = 16  # tokens per tensor-core block
+EXACT_WARPS = 8  # matmul_exact's warps a block (matmul.cu)
 MMA_ROW_GROUPS = 8  # the tensor-core kernel takes rows of whole 8-group chunks (matmul.cu)
 ATTN_MIN_SHARE = 64  # the fewest cache positions worth an attention split of their own
 ATTN_MAX_SPLITS = 128  # at most as many splits as the merge's threads (ops.cu)
@@ -141,6 +154,7 @@ class _Kernels:
         rows, unroll = MATVEC_TUNING
         options = ("-std=c++17", f"-I{SOURCES}", f"-DMV_ROWS={rows}", f"-DMV_UNROLL1={unroll}")
         options += (f"-DMMA_SM_WARPS={MMA_SM_WARPS}",)
+        options += (f"-DEXACT_ROUNDS={EXACT_TUNING[0]}", f"-DEXACT_MIN_BLOCKS={EXACT_TUNING[1]}")
         names = []
         for f in KERNEL_FORMATS.values():
             names += [f"matvec_q<{f}, {t}>" for t in MATVEC_TOKENS]
@@ -148,6 +162,7 @@ class _Kernels:
             names += [f"embed_q<{f}>", f"dequant_f16<{f}>"]
             names += [f"matvec_tile<{f}, {r}, {t}, {u}>" for t, r, u in small_tiles()]
             names += [f"matmul_few<{f}, {nf}, {FEW_MMA_UNROLL}>" for nf in (1, 2)]
+            names += [exact_name(f, n) for n in (8, 16)]
         for t in ("__half", "float"):
             names += [f"matvec_f<{t}, {n}>" for n in MATVEC_TOKENS] + [f"embed_f<{t}>"]
         self.matmul = cp.RawModule(
@@ -175,13 +190,31 @@ class _Kernels:
 
 
 def _tensor_cores(n: int, n_in: int) -> bool:
-    """Whether products of n tokens with rows of n_in weights take the tensor-core kernel,
+    """Whether products of n tokens with rows of n_in weights take a tensor-core kernel,
     whose activations are tiled (quantize.cuh); else a matvec or cuBLAS."""
+    if _exact(n) or _few_mma(n):
+        return True
     if _takes_tile(n):
         return False
-    if _few_mma(n):
-        return True
     return MATVEC_BATCH < n < DENSE_ROWS and n_in % (32 * MMA_ROW_GROUPS) == 0
+
+
+def _exact(n: int) -> bool:
+    """Whether a quantized product of n tokens takes matmul_exact (above matvec_tile's)."""
+    return max(SMALL_BATCH, 1) < n <= EXACT_BATCH
+
+
+def exact_name(kernel_format: str, n: int) -> str:
+    """matmul_exact's instance for products of n tokens: one 8-token fragment up to 8, two
+    above."""
+    return f"matmul_exact<{kernel_format}, {1 if n <= 8 else 2}>"
+
+
+def exact_launch(w: CUDAWeight, n: int):
+    """(kernel name, grid, block) of matmul_exact for n tokens with w: blocks of 16 rows and
+    a tile of MMA_TOKENS tokens."""
+    grid = (-(-w.n_out // 16), -(-n // MMA_TOKENS))
+    return exact_name(w.kernel_format, n), grid, (32 * EXACT_WARPS,)
 
 
 def _few_mma(n: int) -> bool:
@@ -381,6 +414,10 @@ class CUDABackend(Backend):
             kernel(grid, (256,), (w.planes[0], x, y, *args))
             return
         inputs = (*w.plane_args(), *act, y, *args)
+        if _exact(n):
+            name, grid, block = exact_launch(w, n)
+            self.k(name)(grid, block, inputs)
+            return
         if _few_mma(n):
             name, grid, block = few_mma_launch(w, n, FEW_MMA_WARPS, FEW_MMA_UNROLL)
             self.k(name)(grid, block, inputs)

@@ -4,7 +4,8 @@
 // weight format (quantize_rows), then multiplied in integers: dp4a for one token (matvec_q,
 // decode) and for 2..16 (matvec_tile: each weight read once for all of them, the same sums
 // per token), int8 tensor-core mma for more (matmul_mma; matmul_few, an alternative for a
-// few tokens the backend takes where told to).
+// few tokens the backend takes where told to; matmul_exact, tensor cores with matvec_q's
+// bits per token for 2..16, likewise).
 #include "formats.cuh"
 #include "launch.cuh"
 #include "quantize.cuh"
@@ -153,22 +154,36 @@ __device__ __forceinline__ void decode_group(uint4 a, uint4 b, u32 e0, u32 e1, i
     F::decode(a.w, b.w, e0, e1, 3, lo[3], hi[3]);
 }
 
-// The group's dot product with an activation group (x0: its values 0..15, x1: 16..31) times
-// the weight scales, before the activation's scale and the min term: formats.cuh's
-// s_lo * dot(lo, xq_lo) + s_hi * dot(hi, xq_hi).
+// The group's dot products with an activation group (x0: its values 0..15, x1: 16..31) as
+// biased integer sums (SUM_BIAS + the dot product): dl over the low quads and, for split
+// formats, dh over the high ones; else dl + dh is the whole group's (dh starts from 0).
 template <class F>
-__device__ __forceinline__ float group_dot(const int (&lo)[4], const int (&hi)[4], int4 x0,
-                                           int4 x1, const GroupScale& sc) {
-    int dl = __dp4a(lo[0], x0.x, SUM_BIAS);
-    int dh = __dp4a(hi[0], x1.x, F::split ? SUM_BIAS : 0);
+__device__ __forceinline__ void group_sums(const int (&lo)[4], const int (&hi)[4], int4 x0,
+                                           int4 x1, int& dl, int& dh) {
+    dl = __dp4a(lo[0], x0.x, SUM_BIAS);
+    dh = __dp4a(hi[0], x1.x, F::split ? SUM_BIAS : 0);
     dl = __dp4a(lo[1], x0.y, dl);
     dh = __dp4a(hi[1], x1.y, dh);
     dl = __dp4a(lo[2], x0.z, dl);
     dh = __dp4a(hi[2], x1.z, dh);
     dl = __dp4a(lo[3], x0.w, dl);
     dh = __dp4a(hi[3], x1.w, dh);
-    return F::split ? sc.s_lo * biased_sum(dl) + sc.s_hi * biased_sum(dh)
-                    : sc.s_lo * biased_sum(dl + dh);
+}
+
+// acc plus a group's term of a token's sum, from its biased integer sums (group_sums', or an
+// mma's from SUM_BIAS, the same integers): formats.cuh's
+// d * (s_lo * dot_lo + s_hi * dot_hi) + m * xs, with d and xs the activation group's scale
+// and sum term. Every rounding is spelled out (no contraction left to the compiler, which
+// could pick another per kernel): kernels that add a token's terms in the same order then
+// give it the same bits.
+template <class F>
+__device__ __forceinline__ float group_term(float acc, int dl, int dh, const GroupScale& sc,
+                                            float d, float xsum) {
+    const float p = F::split ? __fmaf_rn(sc.s_lo, biased_sum(dl),
+                                         __fmul_rn(sc.s_hi, biased_sum(dh)))
+                             : __fmul_rn(sc.s_lo, biased_sum(dl + dh));
+    acc = __fmaf_rn(d, p, acc);
+    return F::has_min ? __fmaf_rn(sc.m, xsum, acc) : acc;
 }
 
 template <class F, int NT>
@@ -229,8 +244,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
                 for (int r = 0; r < MV_ROWS; ++r) {
                     int lo[4], hi[4];
                     decode_group<F>(wa[r][u], wb[r][u], e0[r][u], e1[r][u], lo, hi);
-                    acc[r][j] += d * group_dot<F>(lo, hi, x0, x1, s[r][u]);
-                    if (F::has_min) acc[r][j] += s[r][u].m * sum;
+                    int dl, dh;
+                    group_sums<F>(lo, hi, x0, x1, dl, dh);
+                    acc[r][j] = group_term<F>(acc[r][j], dl, dh, s[r][u], d, sum);
                 }
             }
         }
@@ -405,9 +421,9 @@ __global__ void __launch_bounds__(256)
                 const float d = ad[xg], sum = F::has_min ? as[xg] : 0.f;
 #pragma unroll
                 for (int r = 0; r < R; ++r) {  // as matvec_q, term for term
-                    float& a = acc[r * NT + j];
-                    a += d * group_dot<F>(lo[r][u], hi[r][u], x0, x1, sc[r][u]);
-                    if (F::has_min) a += sc[r][u].m * sum;
+                    int dl, dh;
+                    group_sums<F>(lo[r][u], hi[r][u], x0, x1, dl, dh);
+                    acc[r * NT + j] = group_term<F>(acc[r * NT + j], dl, dh, sc[r][u], d, sum);
                 }
             }
         }
@@ -809,6 +825,218 @@ __global__ void __launch_bounds__(256)
                 *out = accumulate ? *out + v : v;
             }
         }
+}
+
+// ---- a few tokens on tensor cores, in matvec_q's order --------------------------------------
+// Products of 2..16 tokens (speculation's checking passes, small batches) that give every
+// token, bit for bit, what the one-token matvec_q gives it. matvec_q's lane l adds the terms
+// of a row's groups l, l + 32, l + 64, ... in turn (a "chain"), then warp_sum's butterfly
+// adds the 32 chains (pairs differing in bit 4 of the lane first, then bits 3, 2, 1, 0). An
+// int8 mma gives a group's sums as the same integers dp4a does, so only the float work must
+// follow matvec_q: each group's term (group_term) added to its chain g % 32 in turn, then
+// the chains combined in the butterfly's tree.
+// A block takes 16 rows and a tile of the tiled activation (quantize.cuh), 8 * NF of its
+// tokens. Its EXACT_WARPS warps split the chains: warp w keeps chains 4w .. 4w + 3 in
+// registers, so a round k of its loop takes groups 32k + 4w + j (j < 4: 64 contiguous bytes
+// of each row's plane 0). Lane (gq, t) loads group 32k + 4w + t of rows gq and gq + 8 whole
+// (a 16-byte load each), EXACT_ROUNDS rounds in flight (a round's successor is issued as
+// soon as its registers are decoded), and the four lanes of a quad transpose the words into
+// the mma's layout (word t of every group). At the end the chains meet in shared memory:
+// the tree's levels across warps (chain bits 4..2 = warp bits 2..0), then those within a
+// warp (bits 1, 0). Weights past the last row: the last row's, not stored; tokens past
+// n_tok: the tile's padding, not stored.
+
+#define EXACT_WARPS 8
+#define EXACT_CHAINS 4  // chains a warp: 32 / EXACT_WARPS
+static_assert(EXACT_WARPS * EXACT_CHAINS == 32, "the warps hold matvec_q's 32 chains");
+#ifndef EXACT_ROUNDS
+#define EXACT_ROUNDS 1  // rounds of loads in flight a warp
+#endif
+#ifndef EXACT_MIN_BLOCKS
+#define EXACT_MIN_BLOCKS 2  // blocks an SM must hold: caps the registers
+#endif
+
+// v[i] = word i of lane t's group in, word t of group i (lane i's) out, for the four lanes
+// t = lane & 3 of each quad: two rounds of pairwise swaps, across bit 0 then bit 1 of t.
+__device__ __forceinline__ void quad_transpose(u32 (&v)[4], int t) {
+#pragma unroll
+    for (int b = 1; b <= 2; b <<= 1) {
+        const bool upper = t & b;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (i & b) continue;  // the pair (i, i | b): the lane keeps the word of its half
+            const u32 sent = upper ? v[i] : v[i | b];
+            const u32 got = __shfl_xor_sync(0xffffffffu, sent, b);
+            if (upper)
+                v[i] = got;
+            else
+                v[i | b] = got;
+        }
+    }
+}
+
+// The value of lane (gq, j) of this lane's quad.
+template <class T>
+__device__ __forceinline__ T from_quad(T v, int lane, int j) {
+    return __shfl_sync(0xffffffffu, v, (lane & ~3) | j);
+}
+
+// A lane's share of one round as loaded: its group of rows gq and gq + 8
+template <class F>
+struct ExactRound {
+    uint4 raw[2][F::qbytes / 16];
+    u32 e0[2], e1[2];
+    GroupScale sc[2];
+};
+
+template <class F, int NF>
+__global__ void __launch_bounds__(EXACT_WARPS * 32, EXACT_MIN_BLOCKS)
+    matmul_exact(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                 const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
+                 int accumulate) {
+    static_assert(NF == 1 || NF == 2, "a tile of 16 tokens: one or two 8-token fragments");
+    pdl_trigger();
+    const Planes P = PLANES;
+    constexpr int V = F::qbytes / 16;  // 16-byte vectors of plane 0 a group
+    constexpr int C = EXACT_CHAINS, U = EXACT_ROUNDS;
+    __shared__ float partial[EXACT_WARPS][C][NF * 4][32];
+    const int G = K >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gq = lane >> 2, t = lane & 3;
+    const int row_base = blockIdx.x * 16, first = C * warp;  // the warp's chain 0
+    const int rounds = G > first ? (G - first + 31) / 32 : 0;
+    int rows[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rows[h] = min(row_base + 8 * h + gq, N - 1);
+
+    ExactRound<F> in[U];  // round k's loads in in[k % U]
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) in[u].raw[h][v] = make_uint4(0, 0, 0, 0);
+            in[u].e0[h] = in[u].e1[h] = 0;
+            in[u].sc[h] = {0.f, 0.f, 0.f};
+        }
+    auto load = [&](ExactRound<F>& r, int k) {
+        const int g = 32 * k + first + t;
+        if (k >= rounds || g >= G) return;  // a slot past the row's end: never multiplied
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const long long rg = (long long)rows[h] * G + g;
+            const uint4* wq = reinterpret_cast<const uint4*>(P.p[0]) + rg * V;
+#pragma unroll
+            for (int v = 0; v < V; ++v) r.raw[h][v] = load_weights16(wq + v);
+            F::extra(P, rg, r.e0[h], r.e1[h]);
+            r.sc[h] = F::scale(P, rg, (long long)rows[h] * (G >> 3) + (g >> 3));
+        }
+    };
+#pragma unroll
+    for (int u = 0; u < U; ++u) load(in[u], u);
+    pdl_wait();  // the first weights are on their way: now the activation
+
+    const long long x0 = (long long)blockIdx.y * G * 16;  // the tile's group 0, token 0
+    const signed char* xb = xq + (x0 + gq) * 32 + 8 * t;  // B column gq: words t and 4 + t
+    const float* xdt = xd + x0 + 2 * t;  // the scales of tokens 2t and 2t + 1
+    const float* xst = xs + x0 + 2 * t;
+    float acc[C][NF][4];
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][f][e] = 0.f;
+
+    for (int k0 = 0; k0 < rounds; k0 += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = k0 + u;
+            if (k >= rounds) break;  // (the same for the whole warp)
+            // round k as mma fragments: the lo/hi quads t of every slot j, and their scales
+            int lo[2][C], hi[2][C];
+            GroupScale sc[2][C];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const ExactRound<F>& r = in[u];
+                u32 wa[4] = {r.raw[h][0].x, r.raw[h][0].y, r.raw[h][0].z, r.raw[h][0].w};
+                u32 wb[4] = {0u, 0u, 0u, 0u};
+                quad_transpose(wa, t);
+                if constexpr (V == 2) {
+                    const uint4 b = r.raw[h][1];
+                    wb[0] = b.x, wb[1] = b.y, wb[2] = b.z, wb[3] = b.w;
+                    quad_transpose(wb, t);
+                }
+#pragma unroll
+                for (int j = 0; j < C; ++j) {
+                    const u32 e0 = from_quad(r.e0[h], lane, j), e1 = from_quad(r.e1[h], lane, j);
+                    F::decode(wa[j], wb[j], e0, e1, t, lo[h][j], hi[h][j]);
+                    sc[h][j].s_lo = from_quad(r.sc[h].s_lo, lane, j);
+                    sc[h][j].s_hi = F::split ? from_quad(r.sc[h].s_hi, lane, j) : sc[h][j].s_lo;
+                    sc[h][j].m = F::has_min ? from_quad(r.sc[h].m, lane, j) : 0.f;
+                }
+            }
+            load(in[u], k + U);  // on their way while these are multiplied
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                const int g = 32 * k + first + j;
+                if (g >= G) break;  // (the same for the whole warp)
+#pragma unroll
+                for (int f = 0; f < NF; ++f) {
+                    const int at = g * 16 + f * 8;  // the fragment's first token's group
+                    const int2 b = *reinterpret_cast<const int2*>(xb + (long long)at * 32);
+                    const float2 d = *reinterpret_cast<const float2*>(xdt + at);
+                    const float2 s = F::has_min ? *reinterpret_cast<const float2*>(xst + at)
+                                                : make_float2(0.f, 0.f);
+                    int c_lo[4], c_hi[4] = {0, 0, 0, 0};
+                    if (F::split) {
+                        mma_k16(c_lo, lo[0][j], lo[1][j], b.x, SUM_BIAS);
+                        mma_k16(c_hi, hi[0][j], hi[1][j], b.y, SUM_BIAS);
+                    } else {
+                        mma_k32(c_lo, lo[0][j], lo[1][j], hi[0][j], hi[1][j], b.x, b.y, SUM_BIAS);
+                    }
+                    // element e: row gq + 8 (e >> 1), token 2t + (e & 1) of the fragment
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc[j][f][e] = group_term<F>(acc[j][f][e], c_lo[e], c_hi[e],
+                                                     sc[e >> 1][j], e & 1 ? d.y : d.x,
+                                                     e & 1 ? s.y : s.x);
+                }
+            }
+        }
+    }
+
+    // the chains' tree: thread i takes element (f, e) = i / 32 of lane i % 32's results
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) partial[warp][j][f * 4 + e][lane] = acc[j][f][e];
+    __syncthreads();
+    const int mine = threadIdx.x >> 5;
+    if (mine >= NF * 4) return;
+    float v[EXACT_WARPS][C];
+#pragma unroll
+    for (int w = 0; w < EXACT_WARPS; ++w)
+#pragma unroll
+        for (int j = 0; j < C; ++j) v[w][j] = partial[w][j][mine][lane];
+    // chain c = C * w + j: its bits 4, 3, 2 are w's bits 2, 1, 0, then j's bits 1, 0
+#pragma unroll
+    for (int half = EXACT_WARPS / 2; half > 0; half >>= 1)
+#pragma unroll
+        for (int w = 0; w < half; ++w)
+#pragma unroll
+            for (int j = 0; j < C; ++j) v[w][j] = v[w][j] + v[w + half][j];
+#pragma unroll
+    for (int half = C / 2; half > 0; half >>= 1)
+#pragma unroll
+        for (int j = 0; j < half; ++j) v[0][j] = v[0][j] + v[0][j + half];
+    const int f = mine >> 2, e = mine & 3;
+    const int row = row_base + gq + 8 * (e >> 1), tok = blockIdx.y * 16 + 8 * f + 2 * t + (e & 1);
+    if (row < N && tok < n_tok) {
+        float* out = y + (long long)tok * N + row;
+        *out = accumulate ? *out + v[0][0] : v[0][0];
+    }
 }
 
 // ---- float weights (F16 with fp16-rounded activations, F32) --------------------------------
