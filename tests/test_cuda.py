@@ -116,21 +116,25 @@ def test_graph_replay_matches_eager(tmp_path):
         np.testing.assert_allclose(out[0], out[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_few_token_products_equal_each_token_alone(qtype):
-    """Products of 2..SMALL_BATCH tokens (matvec_tile) give each token, bit for bit, what the
-    one-token matvec gives it alone: speculation's checking passes and small batches compute
-    the numbers plain decoding does."""
+@pytest.mark.parametrize("kernel", ["matmul_exact", "matvec_tile"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_few_token_products_equal_each_token_alone(qtype, kernel, monkeypatch):
+    """Products of 2..16 tokens (matmul_exact's tensor cores; matvec_tile, where told to)
+    give each token, bit for bit, what the one-token matvec gives it alone: speculation's
+    checking passes and small batches compute the numbers plain decoding does."""
     from helpers import random_blocks
 
+    import fastrun.backends.cuda.backend as cb
     from fastrun.backends import get_backend
-    from fastrun.backends.cuda.backend import SMALL_BATCH
 
+    tokens = dict(matvec_tile=(16, 0), matmul_exact=(0, 16))[kernel]
+    monkeypatch.setattr(cb, "SMALL_BATCH", tokens[0])
+    monkeypatch.setattr(cb, "EXACT_BATCH", tokens[1])
     backend = get_backend("cuda")
     rng = np.random.default_rng(3)
     raw = random_blocks(qtype, 200, 3328, rng)  # rows: no multiple of a block's
     w = backend.load_weight(raw, qtype, 200, 3328)
-    for n in [n for n in (2, 3, 4, 5, 8, 9, 16) if n <= SMALL_BATCH]:
+    for n in (2, 3, 4, 5, 8, 9, 16):
         x = rng.standard_normal((n, 3328)).astype(np.float32)
         together = backend.to_host(
             backend.matmul(backend.load_vector(x.reshape(-1)).reshape(n, -1), w)
@@ -138,6 +142,37 @@ def test_few_token_products_equal_each_token_alone(qtype):
         for i in range(n):
             alone = backend.to_host(backend.matmul(backend.load_vector(x[i]).reshape(1, -1), w))
             np.testing.assert_array_equal(together[i], alone[0], err_msg=f"n={n}, token {i}")
+
+
+@pytest.mark.parametrize("dispatch", ["default", "exact"])
+@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_0"), ("qwen2", "Q4_K")])
+def test_checking_pass_logits_equal_one_token_steps(tmp_path, monkeypatch, arch, qtype, dispatch):
+    """A pass of one sequence's 2..9 tokens (speculation's checking pass, captured) gives each
+    token the logits, bit for bit, of one-token steps: passes of up to SMALL_BATCH tokens by
+    default (matvec_tile), and of up to 16 with FASTRUN_EXACT_BATCH=16 (matmul_exact). A
+    short cache: every pass's attention takes one split."""
+    import fastrun.backends.cuda.backend as cb
+    from fastrun.backends import get_backend
+
+    if dispatch == "exact":
+        monkeypatch.setattr(cb, "EXACT_BATCH", 16)
+    largest = 9 if dispatch == "exact" else cb.SMALL_BATCH
+    path = write_tiny_model(tmp_path / "m.gguf", arch, qtype, 256, 512, 2, 4, 2, 300)
+    f = GGUFFile(str(path))
+    model = model_class(f.architecture)(f, get_backend("cuda"))
+    prefix, drafts = [5, 17, 250, 3, 99], [140, 7, 8, 61, 2, 33, 200, 9, 4]
+    for n in range(2, largest + 1):
+        together, alone = model.new_cells(1, 64), model.new_cells(1, 64)
+        for cells in (together, alone):
+            model.forward(prefix, cells.sequences[0])
+        batch = Batch()
+        batch.add(together.sequences[0], drafts[:n], "all")
+        passed = model.run(batch, together)
+        for i in range(n):
+            batch = Batch()
+            batch.add(alone.sequences[0], [drafts[i]])
+            step = model.run(batch, alone)
+            np.testing.assert_array_equal(passed[i], step[0], err_msg=f"{n} tokens, token {i}")
 
 
 def test_engine_sequences_equal_their_solo_runs(tmp_path):
