@@ -1,29 +1,31 @@
 #!/usr/bin/env python3
-"""The CUDA products of a few tokens (matvec_tile, matmul.cu) checked and timed on the device
-in one call: each part prints as it goes and a failure in one does not stop the others.
+"""The CUDA products of a few tokens (matvec_tile, matmul_exact, matmul.cu) checked and timed
+on the device in one call: each part prints as it goes and a failure in one does not stop the
+others.
 
     python scripts/gpu_kernel_check.py                       # every part, about 6-8 minutes
     python scripts/gpu_kernel_check.py --parts correct,time --json $OUT/check.json
 
 Parts:
-  correct  every weight format, 1..16 tokens: the new path (matvec_tile) and matmul_few against
-           the NumPy reference (max abs error over max |reference|; the parity tests allow
-           1e-4), and matvec_tile bit for bit against the dp4a matvec (matvec_q), staged and
-           unstaged activations alike
+  correct  every weight format, 1..16 tokens: the default dispatch, matmul_exact, matvec_tile
+           and matmul_few against the NumPy reference (max abs error over max |reference|; the
+           parity tests allow 1e-4), and matmul_exact and matvec_tile (staged and unstaged
+           activations) bit for bit against the dp4a matvec (matvec_q)
   time     the 7B-shaped products (n_out x n_in: 4096x4096, 11008x4096, 4096x11008, 32000x4096)
            for Q4_0 and Q4_K at 1, 2, 4, 8, 9, 16 tokens: old dispatch (dp4a matvec up to 4
-           tokens, tensor cores above) / new (matvec_tile for 2..16) / matmul_few for 2..16, in
+           tokens, tensor cores above) / matvec_tile for 2..16 / matmul_exact for 2..16, in
            GB/s of weights and time over the old n=1's
-  verify   scripts/spec_bench.py --verify-cost --shape llama2-7b: new, old, new with the old
-           attention splits, new with matmul_few from 5 tokens (each a subprocess, ~40 s)
+  verify   scripts/spec_bench.py --verify-cost --shape llama2-7b: default, old, matmul_exact
+           from 5 tokens and from 2 (each a subprocess, ~15 s)
   sweep    matvec_tile's shapes (tokens a block:rows a warp:groups in flight, warps a block,
            staged or not) and matmul_few's (groups in flight, warps) on the 11008x4096 product;
            the best per bucket of tokens (FASTRUN_SMALL_TILES, FASTRUN_SMALL_WARPS,
            FASTRUN_SMALL_STAGE; FASTRUN_MATVEC1_TILE for one token)
-  tg       scripts/gpu_bench.py on the 7B Q4_0 shape (pp512, tg128 at depth 512, batch 1 and
-           16), new against old
+  tg       scripts/gpu_bench.py on the 7B Q4_0 and Q4_K shapes (pp512, tg128 at depth 512,
+           batch 1 and 16)
 
-The old dispatch is FASTRUN_SMALL_BATCH=0 FASTRUN_GRAPH_EXACT=0 FASTRUN_ATTN_FEW_BLOCKS=256.
+The old dispatch is FASTRUN_SMALL_BATCH=0 FASTRUN_EXACT_BATCH=0 FASTRUN_GRAPH_EXACT=0
+FASTRUN_ATTN_FEW_BLOCKS=256.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from gpu_matmul_bench import event_time  # noqa: E402  (CUDA events, median of repeats)
 
-OLD_ENV = {"FASTRUN_SMALL_BATCH": "0", "FASTRUN_GRAPH_EXACT": "0", "FASTRUN_ATTN_FEW_BLOCKS": "256"}
+OLD_ENV = {
+    "FASTRUN_SMALL_BATCH": "0",
+    "FASTRUN_EXACT_BATCH": "0",
+    "FASTRUN_GRAPH_EXACT": "0",
+    "FASTRUN_ATTN_FEW_BLOCKS": "256",
+}
 TOKENS = (1, 2, 4, 8, 9, 16)
 SHAPES_7B = ((4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096))  # (n_out, n_in)
 STREAM_BYTES = 128 << 20  # weights a timed run walks through: past the L2 (50-60 MB)
@@ -93,9 +100,11 @@ def dispatch(**settings):
             setattr(cb, k, v)
 
 
-OLD = dict(SMALL_BATCH=0)  # in-process: the old split of products (graphs are not involved)
-TIMED = (("old", OLD), ("new", {}), ("few_mma", dict(FEW_MMA_FROM=2)))
-MATVEC_ONLY = dict(SMALL_BATCH=0, MATVEC_BATCH=16)  # matvec_q for every count up to 16
+OLD = dict(SMALL_BATCH=0, EXACT_BATCH=0)  # in-process: the old split (graphs not involved)
+TILE = dict(SMALL_BATCH=16, EXACT_BATCH=0)  # matvec_tile for 2..16
+EXACT = dict(SMALL_BATCH=0, EXACT_BATCH=16)  # matmul_exact for 2..16
+TIMED = (("old", OLD), ("tile", TILE), ("exact", EXACT))
+MATVEC_ONLY = dict(SMALL_BATCH=0, EXACT_BATCH=0, MATVEC_BATCH=16)  # matvec_q up to 16
 
 
 # -- correct ------------------------------------------------------------------------------------
@@ -124,21 +133,25 @@ def part_correct(backend) -> None:
                 got = {}
                 with dispatch():
                     got["new"] = cp.asnumpy(backend.matmul(xd, w))
-                with dispatch(SMALL_STAGE=0):
+                with dispatch(**EXACT):
+                    got["exact"] = cp.asnumpy(backend.matmul(xd, w))
+                with dispatch(**TILE):
+                    got["tile"] = cp.asnumpy(backend.matmul(xd, w))
+                with dispatch(**TILE, SMALL_STAGE=0):
                     got["unstaged"] = cp.asnumpy(backend.matmul(xd, w))
                 with dispatch(**MATVEC_ONLY):
                     got["matvec_q"] = cp.asnumpy(backend.matmul(xd, w))
                 with dispatch(**OLD):
                     got["old"] = cp.asnumpy(backend.matmul(xd, w))
-                with dispatch(FEW_MMA_FROM=2):
+                with dispatch(EXACT_BATCH=0, FEW_MMA_FROM=2):
                     got["few_mma"] = cp.asnumpy(backend.matmul(xd, w))
                 scale = float(np.abs(expect).max())
                 err = {k: float(np.abs(v - expect).max()) / scale for k, v in got.items()}
                 errs.append(err["new"])
                 few_worst = max(few_worst, err["few_mma"])
-                worst = max(worst, err["new"], err["unstaged"])
-                for k in ("unstaged", "matvec_q"):
-                    if not np.array_equal(got["new"], got[k]):
+                worst = max(worst, err["new"], err["unstaged"], err["tile"], err["exact"])
+                for k in ("exact", "tile", "unstaged"):
+                    if not np.array_equal(got["matvec_q"], got[k]):
                         unequal.append((qtype, n_in, n, k))
                 if max(err["new"], err["unstaged"], err["few_mma"]) > 1e-4:
                     log(f"  FAIL {qtype} {n_out}x{n_in} n={n}: {err}")
@@ -402,8 +415,8 @@ def run_script(label: str, cmd: list[str], env: dict, timeout: float) -> str:
 VERIFY_RUNS = (
     ("new", {}),
     ("old", OLD_ENV),
-    ("new, attention splits as before", {"FASTRUN_ATTN_FEW_BLOCKS": "256"}),
-    ("new, tensor cores (matmul_few) from 5 tokens", {"FASTRUN_FEW_MMA_FROM": "5"}),
+    ("exact from 5 tokens", {"FASTRUN_EXACT_BATCH": "16"}),
+    ("exact from 2 tokens", {"FASTRUN_SMALL_BATCH": "0", "FASTRUN_EXACT_BATCH": "16"}),
 )
 
 
@@ -422,10 +435,14 @@ def part_verify() -> None:
         log(f"verify {label}: " + " ".join(f"{r['tokens']}:{r['vs_1_tokens']}" for r in rows))
 
 
+TG_RUNS = (("new", {}),)  # FASTRUN_EXACT_BATCH=16: batch 16 through matmul_exact, slower
+
+
 def part_tg() -> None:
-    cmd = ["scripts/gpu_bench.py", "--shapes", "llama2-7b", "--types", "Q4_0", "--no-torch"]
+    cmd = ["scripts/gpu_bench.py", "--shapes", "llama2-7b", "--types", "Q4_0", "Q4_K"]
+    cmd += ["--no-torch", "-n", "128", "--batch", "16"]
     out = {}
-    for label, env in (("new", {}), ("old", OLD_ENV)):
+    for label, env in TG_RUNS:
         left = deadline - time.perf_counter()
         if left < 90:
             log(f"tg {label}: skipped, {left:.0f} s left")
