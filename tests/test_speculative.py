@@ -516,7 +516,9 @@ def _equal_up_to_a_near_tie(model, prompt, tokens, wanted, tie=0.5):
     core kernel, whose float sums differ from a one-token step's in the last bits (2e-7 of
     the outputs), and each layer's 8-bit requantization carries that on: on SmolLM2 a 5-9
     token pass's logits differ from one-token steps' by up to 0.4-1.0 (the largest over the
-    vocabulary; measured on the H200, 2026-12-02)."""
+    vocabulary; measured on the H200, 2026-12-02). FASTRUN_EXACT_BATCH=16 makes the products
+    exact (tests/test_cuda.py), but a long cache's attention may still split otherwise in a
+    pass than in a step."""
     same = next((i for i, (a, b) in enumerate(zip(tokens, wanted, strict=False)) if a != b), None)
     if same is None:
         assert len(tokens) == len(wanted)
