@@ -19,6 +19,59 @@ def fp16_round(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
 
 
+def fma32(a, b, c) -> np.ndarray:
+    """a * b + c of float32 values, rounded once to float32: in float64 the product is
+    exact, and the sum rounded to odd (to the neighbour with an odd last bit where it is
+    inexact: TwoSum gives its error) then rounds to float32 as a single rounding would."""
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    product = a * b
+    total = product + c
+    c_part = total - product
+    error = (product - (total - c_part)) + (c - c_part)
+    even = (total.view(np.int64) & 1) == 0
+    with np.errstate(invalid="ignore"):
+        toward = np.where(error > 0, np.inf, -np.inf)
+    odd = np.where((error != 0) & even & np.isfinite(total), np.nextafter(total, toward), total)
+    return odd.astype(np.float32)
+
+
+def ggml_expf(x) -> np.ndarray:
+    """exp(x) in float32 as llama.cpp's softmax and SiLU compute it (ggml_v_expf, AVX-512
+    form, bit for bit): 2^n (1 + b p(b)) with n = round(x log2 e), b = x - n ln 2 in two
+    parts, p of degree 5; 0 or infinity where |n| > 192."""
+    x = np.asarray(x, np.float32)
+    hexes = ("0x1.8p23", "0x1.715476p+0", "0x1.62e4p-1", "0x1.7f7d1cp-20")
+    rounder, log2e, ln2_hi, ln2_lo = (np.float32(float.fromhex(h)) for h in hexes)
+    c5, c4, c3, c2, c1 = (
+        np.float32(float.fromhex(h))
+        for h in (
+            "0x1.0e4020p-7",
+            "0x1.573e2ep-5",
+            "0x1.555e66p-3",
+            "0x1.fffdb6p-2",
+            "0x1.ffffecp-1",
+        )
+    )
+    with np.errstate(invalid="ignore", over="ignore"):
+        n = fma32(x, log2e, rounder) - rounder
+        b = fma32(-n, ln2_lo, fma32(-n, ln2_hi, x))
+        u = b * b
+        j = fma32(fma32(fma32(c5, b, c4), u, fma32(c3, b, c2)), u, fma32(c1, b, np.float32(1)))
+        k = np.clip(np.nan_to_num(n, nan=192.0), -192, 192).astype(np.int64)
+        scaled = (j.astype(np.float64) * np.ldexp(1.0, k)).astype(np.float32)
+        beyond = np.abs(n) > 192
+        return np.where(beyond, np.where(n <= 0, np.float32(0), np.float32(np.inf)), scaled)
+
+
+def lane_sum(v: np.ndarray) -> np.float32:
+    """The sum of 16 float32 values as _mm512_reduce_add_ps adds them: halves lane by lane
+    (16 -> 8 -> 4), then lanes 0 + 2 and 1 + 3, then those two."""
+    v = np.asarray(v, np.float32)
+    v = v[8:] + v[:8]
+    v = v[4:] + v[:4]
+    return (v[0] + v[2]) + (v[1] + v[3])
+
+
 def quantize_activation(x: np.ndarray, qtype: str) -> np.ndarray:
     """x [n, k] as the weight type's dot product sees it: through its activation format."""
     act = block_format(qtype).activation
@@ -66,6 +119,19 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     inner = np.float32(0.7978845608028654) * x * poly
     tanh = np.tanh(inner.astype(np.float64)).astype(np.float32)
     return np.float32(0.5) * x * (np.float32(1) + tanh)
+
+
+def _lane_dots(k: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Each row of k [rows, hd] times q [hd] (fp16 values) as llama.cpp's tinyBLAS does on
+    AVX-512 where hd is a multiple of 16: lane t the fused multiply-adds of elements t, t +
+    16, ..., then lane_sum; in float64 for other head sizes (ggml's own fp16 dot)."""
+    rows, hd = k.shape
+    if hd % 16:
+        return (k.astype(np.float64) @ q.astype(np.float64)).astype(np.float32)
+    lanes = np.zeros((rows, 16), np.float32)
+    for at in range(0, hd, 16):
+        lanes = fma32(q[None, at : at + 16], k[:, at : at + 16], lanes)
+    return np.array([lane_sum(r) for r in lanes], np.float32)
 
 
 class ReferenceBackend(Backend):
@@ -132,7 +198,8 @@ class ReferenceBackend(Backend):
         with np.errstate(
             over="ignore"
         ):  # exp(-gate) overflows to inf for very negative gate: silu -> 0
-            return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+            gate = np.asarray(gate, np.float32)
+            return gate / (np.float32(1) + ggml_expf(-gate)) * up  # ggml_v_silu
 
     def gelu_mul(self, gate, up):
         gate = np.asarray(gate, np.float32)
@@ -177,12 +244,20 @@ class ReferenceBackend(Backend):
             else:
                 rows = first + seen_positions
             for j in range(h):
-                k = k_cache[rows, j // group].astype(np.float64)
-                s = k @ qh[i, j].astype(np.float64) * scale
+                k, v = k_cache[rows, j // group], v_cache[rows, j // group]
+                s = _lane_dots(k, qh[i, j]) * np.float32(scale)
                 if softcap > 0:
-                    s = softcap * np.tanh(s / softcap)
-                # probabilities normalized in float32, then rounded to fp16: llama.cpp's graph
-                e = np.exp((s - s.max()).astype(np.float32))
-                p = fp16_round(e * np.float32(1.0 / e.astype(np.float64).sum()))
-                out[i, j] = p.astype(np.float64) @ v_cache[rows, j // group].astype(np.float64)
+                    s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
+                # as llama.cpp's softmax: exps summed 16 positions at a time (from position
+                # 0), those in float64; probabilities normalized in float32, then fp16
+                e = ggml_expf(s - s.max())
+                chunks = np.zeros(-(-(seen_positions[-1] + 1) // 16) * 16, np.float32)
+                chunks[seen_positions] = e
+                total = sum(np.float64(lane_sum(c)) for c in chunks.reshape(-1, 16))
+                p = fp16_round(e * np.float32(1.0 / total))
+                # p times V as tinyBLAS: lane t the fused multiply-adds of positions = t mod 16
+                lanes = np.zeros((16, hd), np.float32)
+                for position, weight, row in zip(seen_positions, p, v, strict=True):
+                    lanes[position % 16] = fma32(row, weight, lanes[position % 16])
+                out[i, j] = [lane_sum(lanes[:, c]) for c in range(hd)]
         return out.reshape(n, h * hd)

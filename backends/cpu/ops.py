@@ -13,7 +13,16 @@ import numba as nb
 import numpy as np
 
 from fastrun.backends.cpu.cache import drop_stale_cache
-from fastrun.backends.cpu.simd import ROW_SUM_WIDTH, f16_round, weighted_row_sum
+from fastrun.backends.cpu.simd import (
+    LANES,
+    dot_lanes,
+    f16_round,
+    fma32,
+    fma_rows_64,
+    fma_rows_128,
+    fma_rows_256,
+    pow2_f64,
+)
 
 drop_stale_cache("ops", ("simd.py",))  # code it inlines
 
@@ -91,11 +100,43 @@ def kv_store(k_cache, v_cache, k, v, slots):
                 v_cache[s, h, i] = f16_round(v[t, h, i])
 
 
+# ggml's vector expf (ggml_v_expf, AVX-512 form: ggml-cpu/vec.h), which llama.cpp's softmax
+# and SiLU compute with: exp(x) = 2^n (1 + b p(b)), n = round(x log2 e), b = x - n ln 2 in two
+# parts, p a degree-5 polynomial; at most 1.5 ulp from exp, so its own bits are what llama.cpp
+# gets, and, without a call per value, a loop of it vectorizes.
+_ROUNDER = np.float32(float.fromhex("0x1.8p23"))  # adding it rounds to an integer
+_LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = np.float32(float.fromhex("0x1.7f7d1cp-20"))
+_EXP_POLY = tuple(
+    np.float32(float.fromhex(c))
+    for c in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")
+)
+_LIMIT = np.float32(192)  # past it, 0 or infinity
+
+
+@nb.njit(**_JIT)
+def expf_ggml(x):
+    """exp(x) in float32 as ggml_v_expf computes it, bit for bit (its fused multiply-adds
+    as such; its scalef, j * 2^n, an exact float64 product rounded once)."""
+    c5, c4, c3, c2, c1 = _EXP_POLY
+    z = fma32(x, _LOG2E, _ROUNDER)
+    n = z - _ROUNDER
+    b = fma32(-n, _LN2_LO, fma32(-n, _LN2_HI, x))
+    u = b * b
+    j = fma32(fma32(fma32(c5, b, c4), u, fma32(c3, b, c2)), u, fma32(c1, b, np.float32(1)))
+    k = min(max(n, -_LIMIT), _LIMIT)  # in range for the exponent bits (NaN: the limit)
+    scaled = np.float32(np.float64(j) * pow2_f64(np.int64(k)))
+    if abs(n) > _LIMIT:
+        return np.float32(0) if n <= 0 else np.float32(np.inf)
+    return scaled
+
+
 @nb.njit(inline="always", **_JIT)
 def _silu_row(gate, up, out, t):
     for i in range(gate.shape[1]):
         g = gate[t, i]
-        out[t, i] = g / (np.float32(1) + np.exp(-g)) * up[t, i]
+        out[t, i] = g / (np.float32(1) + expf_ggml(-g)) * up[t, i]  # ggml_v_silu
 
 
 @nb.njit(parallel=True, **_JIT)
@@ -208,44 +249,93 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ri
         s = first
         for at in range(length):
             for g in range(group):
-                score = _dot_row(qf[g], k_cache, s, kv) * scale
+                if hd % LANES == 0:
+                    dot = dot_lanes(qf[g], k_cache, s, kv)
+                else:  # tinyBLAS takes no such K: ggml's own fp16 dot (another order)
+                    dot = _dot_row(qf[g], k_cache, s, kv)
+                score = dot * scale
                 if softcap > 0:
                     score = softcap * np.float32(math.tanh(score / softcap))
                 scores[g, at] = score
                 m[g] = max(m[g], score)
             s = _next_row(s, starts[t], ring)
-        inv = np.empty(group, np.float32)
+        lanes = np.empty((LANES, hd), np.float32)
         for g in range(group):
-            total = 0.0
+            inv = np.float32(1.0 / _exps_and_sum(scores[g], m[g], lo, lanes))
             for at in range(length):
-                e = np.float32(np.exp(scores[g, at] - m[g]))
-                scores[g, at] = e
-                total += np.float64(e)
-            inv[g] = np.float32(1.0 / total)
-        # the rows of positions lo.. in order: one run, or on a ring up to its end and on
-        # from its start
-        wrap = starts[t] + ring if ring > 0 else first + length
-        run = min(length, wrap - first)
-        acc = np.zeros((group, hd), np.float32)
-        for g in range(group):
-            for at in range(length):
-                scores[g, at] = f16_round(scores[g, at] * inv[g])
-            _weighted_rows(scores[g], 0, v_cache, first, run, kv, acc[g])
-            _weighted_rows(scores[g], run, v_cache, starts[t], length - run, kv, acc[g])
+                scores[g, at] = f16_round(scores[g, at] * inv)
+            _weighted_lanes(scores[g], lo, v_cache, first, starts[t], ring, kv, lanes)
             for i in range(hd):
-                out[t, head0 + g, i] = acc[g, i]
+                out[t, head0 + g, i] = _lane_tree(lanes, i)
+
+
+@nb.njit(**_JIT)
+def _exps_and_sum(row, m, first, lanes):
+    """row: the scores of positions first, first + 1, ... -> exp(score - m) each, in place;
+    returns their sum as llama.cpp's AVX-512 softmax adds them up over its KV cells (a cell
+    per position, from 0): each 16 positions' float32 sum in its vector reduction's order
+    (_lane_tree), those added in order in float64. Positions outside the row count 0.
+    lanes: scratch, [16, >= 1]."""
+    length = row.size
+    for i in range(length):
+        row[i] = expf_ggml(row[i] - m)
+    total = 0.0
+    for start in range(first - first % LANES, first + length, LANES):
+        for lane in range(LANES):
+            at = start + lane - first
+            lanes[lane, 0] = row[at] if 0 <= at < length else np.float32(0)
+        total += np.float64(_lane_tree(lanes, 0))
+    return total
+
+
+@nb.njit(**_JIT)
+def _weighted_lanes(probs, first, v_cache, row, start, ring, kv, lanes):
+    """lanes [16, hd] = the sums of probs[at] * v_cache[row of position first + at, kv] as
+    llama.cpp's tinyBLAS multiplies its fp16 probabilities by the fp16 V cache on AVX-512:
+    lane j the fused multiply-add chain over the positions p = j (mod 16), in order; the
+    rows from row on, to the end of a ring of `ring` rows from start and on from its start
+    (ring 0: no ring). The sum of the lanes is each output's (_lane_tree)."""
+    lanes[:] = 0
+    length = probs.size
+    run = min(length, start + ring - row) if ring > 0 else length  # rows before the wrap
+    _lane_run(probs, 0, run, first, v_cache, row, kv, lanes)
+    _lane_run(probs, run, length - run, first + run, v_cache, start, kv, lanes)
+
+
+@nb.njit(**_JIT)
+def _lane_run(probs, at0, n, position, v_cache, row0, kv, lanes):
+    """_weighted_lanes over n consecutive rows from row0: probs[at0:], positions from
+    `position` on."""
+    hd = lanes.shape[1]
+    for lane in range(LANES):
+        skip = (lane - position) % LANES  # the run's first row of this lane
+        if skip >= n:
+            continue
+        count = (n - skip + LANES - 1) // LANES
+        at, row, step = np.int64(at0 + skip), np.int64(row0 + skip), np.int64(LANES)
+        args = (np.int64(count), step, np.int64(kv))
+        # the lane's sums in registers: every column at once for the usual head sizes
+        if hd == 64:
+            fma_rows_64(probs, at, v_cache, row, *args, np.int64(0), lanes, np.int64(lane))
+        elif hd == 128:
+            fma_rows_128(probs, at, v_cache, row, *args, np.int64(0), lanes, np.int64(lane))
+        elif hd == 256:
+            fma_rows_256(probs, at, v_cache, row, *args, np.int64(0), lanes, np.int64(lane))
+        elif hd % 64 == 0:
+            for col in range(0, hd, 64):
+                fma_rows_64(probs, at, v_cache, row, *args, np.int64(col), lanes, np.int64(lane))
+        else:
+            for r in range(count):
+                p = probs[at + r * LANES]
+                for i in range(hd):
+                    lanes[lane, i] = fma32(v_cache[row + r * LANES, kv, i], p, lanes[lane, i])
 
 
 @nb.njit(inline="always", **_JIT)
-def _weighted_rows(probs, p0, v_cache, row0, n_rows, kv, acc):
-    """acc [hd] += sum over r < n_rows, in order, of probs[p0 + r] * v_cache[row0 + r, kv]."""
-    hd = acc.size
-    if hd % ROW_SUM_WIDTH == 0:  # the sums in registers, 32 at a time
-        for col in range(0, hd, ROW_SUM_WIDTH):
-            weighted_row_sum(probs, np.int64(p0), v_cache, np.int64(row0), np.int64(n_rows),
-                             np.int64(kv), np.int64(col), acc, np.int64(col))  # fmt: skip
-        return
-    for r in range(n_rows):
-        p = probs[p0 + r]
-        for i in range(hd):
-            acc[i] += p * v_cache[row0 + r, kv, i]
+def _lane_tree(lanes, i):
+    """The sum of lanes[0..15, i] as _mm512_reduce_add_ps adds 16 lanes (simd.lane_tree)."""
+    a0, a1 = lanes[8, i] + lanes[0, i], lanes[9, i] + lanes[1, i]
+    a2, a3 = lanes[10, i] + lanes[2, i], lanes[11, i] + lanes[3, i]
+    a4, a5 = lanes[12, i] + lanes[4, i], lanes[13, i] + lanes[5, i]
+    a6, a7 = lanes[14, i] + lanes[6, i], lanes[15, i] + lanes[7, i]
+    return ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))

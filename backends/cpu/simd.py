@@ -182,41 +182,126 @@ def _f16_round_f16c(typingctx, x):
 f16_round = _f16_round_f16c if HAS_F16C else _portable_f16_round
 
 
-ROW_SUM_WIDTH = 32  # floats per call of weighted_row_sum: 4 vectors of 8 in registers
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a * b + c in float32, rounded once (llvm.fma: one vfmadd where the target has FMA, a
+    vector of them in a vectorized loop; a libm call where it has none)."""
+    f32 = types.float32
+
+    def codegen(context, builder, sig, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+
+    return f32(f32, f32, f32), codegen
 
 
 @intrinsic
-def weighted_row_sum(typingctx, probs, p0, v_cache, row0, n_rows, kv, col, acc, a0):
-    """acc[a0 : a0 + 32] += sum over r < n_rows, in order, of probs[p0 + r] * v_cache[row0 +
-    r, kv, col : col + 32] (each product rounded, then added: the bits of the scalar loop),
-    the 32 sums held in registers over the rows. probs, acc: C-contiguous float32 (1-D,
-    2-D); v_cache float32 [rows, hk, hd], C-contiguous."""
-    v8 = vec(ir.FloatType(), 8)
+def pow2_f64(typingctx, k):
+    """2.0 ** k as float64, exactly, for integer k in [-1022, 1023] (its exponent bits)."""
     i64 = ir.IntType(64)
 
     def codegen(context, builder, sig, args):
-        probs_a, v_a, acc_a = (
-            context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 7)
+        biased = builder.add(args[0], ir.Constant(i64, 1023))
+        return builder.bitcast(builder.shl(biased, ir.Constant(i64, 52)), ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+LANES = 16  # llama.cpp's AVX-512 vectors: the lanes its products and softmax sum over
+
+
+def lane_tree(builder, v):
+    """The sum of a <16 x float> as _mm512_reduce_add_ps adds it (GCC's and Clang's
+    headers): the halves added lane by lane, 512 -> 256 -> 128 bits, lanes 0 + 2 and 1 + 3,
+    then those two."""
+    half8 = builder.fadd(
+        builder.shuffle_vector(v, v, lanes(range(8, 16))),
+        builder.shuffle_vector(v, v, lanes(range(8))),
+    )
+    half4 = builder.fadd(
+        builder.shuffle_vector(half8, half8, lanes(range(4, 8))),
+        builder.shuffle_vector(half8, half8, lanes(range(4))),
+    )
+    pairs = builder.fadd(half4, builder.shuffle_vector(half4, half4, lanes((2, 3, 0, 1))))
+    return builder.fadd(
+        builder.extract_element(pairs, ir.Constant(I32, 0)),
+        builder.extract_element(pairs, ir.Constant(I32, 1)),
+    )
+
+
+@intrinsic
+def dot_lanes(typingctx, q, k_cache, s, kv):
+    """q . k_cache[s, kv] as llama.cpp's tinyBLAS multiplies an fp16 K by an fp16 Q on
+    AVX-512, bit for bit: lane i the fused multiply-add chain of elements i, i + 16, ... in
+    order, the lanes then summed by lane_tree. q float32 [hd] and k_cache float32 [rows, hk,
+    hd], C-contiguous, hd a multiple of 16."""
+    v16 = vec(ir.FloatType(), LANES)
+    i64 = ir.IntType(64)
+
+    def codegen(context, builder, sig, args):
+        q_a = context.make_array(sig.args[0])(context, builder, args[0])
+        k_a = context.make_array(sig.args[1])(context, builder, args[1])
+        _, hk, hd = cgutils.unpack_tuple(builder, k_a.shape, 3)
+        row = builder.add(builder.mul(args[2], hk), args[3])
+        k_p = builder.gep(k_a.data, [builder.mul(row, hd)])
+        fma = _intrinsic_fn(builder, "llvm.fma.v16f32", v16, [v16] * 3)
+
+        def block(l, acc):
+            q_v, k_v = (
+                builder.load(builder.bitcast(builder.gep(p, [l]), v16.as_pointer()), align=4)
+                for p in (q_a.data, k_p)
+            )
+            return [builder.call(fma, [q_v, k_v, acc[0]])]
+
+        zero = ir.Constant(v16, [0.0] * LANES)
+        (acc,) = counted_loop(builder, ir.Constant(i64, 0), hd, LANES, [zero], block)
+        return lane_tree(builder, acc)
+
+    return types.float32(q, k_cache, s, kv), codegen
+
+
+def _fma_rows(width: int):
+    """fma_rows(probs, p0, v_cache, row0, n_rows, row_step, kv, col, lanes, lane):
+    lanes[lane, col : col + width] = the fused multiply-add chain, continued from its value
+    there, over r < n_rows in order, of v_cache[row0 + r row_step, kv, col : col + width]
+    times probs[p0 + r row_step] (one lane of llama.cpp's tinyBLAS product: dot_lanes), the
+    sums in width / 16 vector registers over the rows. probs float32 [n], v_cache float32
+    [rows, hk, hd], lanes float32 [16, hd], C-contiguous."""
+    v16 = vec(ir.FloatType(), LANES)
+    i64 = ir.IntType(64)
+    n_vectors = width // LANES
+
+    def fma_rows(typingctx, probs, p0, v_cache, row0, n_rows, row_step, kv, col, lanes, lane):
+        sig = types.void(probs, p0, v_cache, row0, n_rows, row_step, kv, col, lanes, lane)
+        return sig, codegen
+
+    def codegen(context, builder, sig, args):
+        probs_a, v_a, lanes_a = (
+            context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 8)
         )
-        p0_v, row0_v, n_v, kv_v, col_v, a0_v = (args[i] for i in (1, 3, 4, 5, 6, 8))
+        p0_v, row0_v, n_v, step_v, kv_v, col_v, lane_v = (args[i] for i in (1, 3, 4, 5, 6, 7, 9))
         _, hk, hd = cgutils.unpack_tuple(builder, v_a.shape, 3)
         row_stride = builder.mul(hk, hd)
         base = builder.gep(v_a.data, [builder.add(builder.mul(kv_v, hd), col_v)])
-        acc_p = builder.gep(acc_a.data, [a0_v])
-        ptrs = [builder.bitcast(builder.gep(acc_p, [ir.Constant(i64, 8 * j)]), v8.as_pointer())
-                for j in range(ROW_SUM_WIDTH // 8)]  # fmt: skip
+        out_p = builder.gep(lanes_a.data, [builder.add(builder.mul(lane_v, hd), col_v)])
+        ptrs = [builder.bitcast(builder.gep(out_p, [ir.Constant(i64, LANES * j)]), v16.as_pointer())
+                for j in range(n_vectors)]  # fmt: skip
         init = [builder.load(p, align=4) for p in ptrs]
+        fma = _intrinsic_fn(builder, "llvm.fma.v16f32", v16, [v16] * 3)
 
         def row(r, sums):
-            p = builder.load(builder.gep(probs_a.data, [builder.add(p0_v, r)]))
-            undef = ir.Constant(v8, ir.Undefined)
+            at = builder.mul(r, step_v)
+            p = builder.load(builder.gep(probs_a.data, [builder.add(p0_v, at)]))
+            undef = ir.Constant(v16, ir.Undefined)
             first = builder.insert_element(undef, p, ir.Constant(I32, 0))
-            pv = builder.shuffle_vector(first, undef, ir.Constant(vec(I32, 8), [0] * 8))
-            at = builder.gep(base, [builder.mul(builder.add(row0_v, r), row_stride)])
+            pv = builder.shuffle_vector(first, undef, ir.Constant(vec(I32, LANES), [0] * LANES))
+            v_row = builder.gep(base, [builder.mul(builder.add(row0_v, at), row_stride)])
             out = []
             for j, s in enumerate(sums):
-                ptr = builder.bitcast(builder.gep(at, [ir.Constant(i64, 8 * j)]), v8.as_pointer())
-                out.append(builder.fadd(s, builder.fmul(pv, builder.load(ptr, align=4))))
+                ptr = builder.bitcast(builder.gep(v_row, [ir.Constant(i64, LANES * j)]),
+                                      v16.as_pointer())  # fmt: skip
+                out.append(builder.call(fma, [builder.load(ptr, align=4), pv, s]))
             return out
 
         sums = counted_loop(builder, ir.Constant(i64, 0), n_v, 1, init, row)
@@ -224,5 +309,9 @@ def weighted_row_sum(typingctx, probs, p0, v_cache, row0, n_rows, kv, col, acc, 
             builder.store(s, p, align=4)
         return context.get_dummy_value()
 
-    sig = types.void(probs, p0, v_cache, row0, n_rows, kv, col, acc, a0)
-    return sig, codegen
+    return intrinsic(fma_rows)
+
+
+# one for each usual head size (all of a row's columns in registers: at most 16 of 32
+# AVX-512 vector registers), and 64 columns at a time for others
+fma_rows_64, fma_rows_128, fma_rows_256 = (_fma_rows(w) for w in (64, 128, 256))
