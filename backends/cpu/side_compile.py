@@ -63,8 +63,11 @@ class SideCompile:
 
     def __init__(self, activation: str, formats: tuple[str, ...], kernels: list):
         self._done: set[str] = set()
+        # this process's import path: the same fastrun, however this one found it
+        path = os.pathsep.join(p for p in sys.path if p)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "fastrun.backends.cpu.side_compile", activation, *formats],
+            env=dict(os.environ, PYTHONPATH=path),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
