@@ -4,6 +4,7 @@ register on runner/app.py's app; user mistakes become one `fastrun: error:` line
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import sys
 import threading
@@ -225,9 +226,10 @@ def console(argv: list[str] | None = None) -> int:
     loads (app.start_up_without_gc) and what is alive at the end is frozen (gc.freeze), so
     that the interpreter's last collections skip it: they visited every object of the run
     (Numba's types and compiled functions, the vocabulary, ...), 0.15 s of a one-token run.
-    Finalizers run as before. After a Ctrl-C nothing is frozen: a compile cut short leaves
-    LLVM objects in reference cycles, and unless they are collected LLVM's checks at exit
-    abort the process (exit -6 instead of 130)."""
+    Finalizers run as before. After a Ctrl-C the process ends at once (os._exit, its output
+    flushed, a first run's second compiling process stopped): a compile or kernel load cut
+    short, on this thread or the engine's, leaves LLVM objects half made, and tearing them
+    down aborts the process in LLVM's checks (exit -6 instead of 130)."""
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in _LOADING_COMMANDS:
         start_up_without_gc()
@@ -237,10 +239,21 @@ def console(argv: list[str] | None = None) -> int:
         return code
     finally:
         if code == EXIT_INTERRUPTED:
-            gc.enable()
-            gc.collect()
-        else:
-            gc.freeze()
+            _exit_now(code)
+        gc.freeze()
+
+
+def _exit_now(code: int) -> None:
+    """End the process without its teardown (see console)."""
+    side_compile = sys.modules.get("fastrun.backends.cpu.side_compile")  # loaded: maybe running
+    if side_compile is not None:
+        side_compile.stop_all()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -235,8 +235,8 @@ def test_ctrl_c_during_start_up_is_one_line(tiny_model):
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
-        if out.strip():  # finished before the signal came, or it came while Python exited
-            assert p.returncode in (0, -signal.SIGINT) and not err.strip(), err
+        if p.returncode in (0, -signal.SIGINT):  # done before the signal, or while exiting
+            assert not err.strip(), err
             continue
         assert "Traceback" not in err, err
         assert p.returncode == 130 and err.strip() == "fastrun: interrupted", (delay, err)

@@ -4,8 +4,11 @@ kernels load from it without Numba's registry refresh."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
+import threading
 from pathlib import Path
 
 from numba.core import caching
@@ -43,6 +46,27 @@ def in_cache(dispatcher) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def _ctrl_c_after():
+    """A Ctrl-C during a kernel load (tens of ms) raised when it is done: raised inside it,
+    it lands in one of LLVM's callbacks, which prints it, swallows it and loads on (the
+    main thread only; where another SIGINT handler is set, that one stays)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pending = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if pending:
+            raise KeyboardInterrupt
+
+
 def _load_without_refresh(load_overload):
     """Cache.load_overload for fastrun's kernels: without the refresh of the target context,
     which imports and installs every typing and lowering registry of Numba (0.1-0.25 s of
@@ -54,9 +78,10 @@ def _load_without_refresh(load_overload):
     def load(self, sig, target_context):
         if not getattr(self._py_func, "__module__", "").startswith("fastrun."):
             return load_overload(self, sig, target_context)
-        rtsys.initialize(target_context)
-        with self._guard_against_spurious_io_errors():
-            return self._load_overload(sig, target_context)
+        with _ctrl_c_after():
+            rtsys.initialize(target_context)
+            with self._guard_against_spurious_io_errors():
+                return self._load_overload(sig, target_context)
 
     load.without_refresh = True
     return load

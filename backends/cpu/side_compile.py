@@ -73,6 +73,7 @@ class SideCompile:
             stderr=subprocess.DEVNULL,
             text=True,
         )
+        _RUNNING.append(self)
         atexit.register(self.stop)
         for name, dispatcher, _ in kernels:
             self._wait_before_compiling(name, dispatcher)
@@ -105,6 +106,15 @@ class SideCompile:
         if self._process.stdout is not None:
             self._process.stdout.close()
             self._process.stdout = None
+
+
+_RUNNING: list[SideCompile] = []
+
+
+def stop_all() -> None:
+    """Every second process this one started, ended (an interrupted start's exit)."""
+    for side in _RUNNING:
+        side.stop()
 
 
 def start(activation: str, formats: tuple[str, ...] = ()) -> SideCompile | None:
