@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastrun.backends import block
+from fastrun.backends import llamacpp_numerics as ggml
 from fastrun.backends.base import Backend, RopeConfig, Weight
 from fastrun.quant.formats import block_format
 from fastrun.quant.reference import BLOCK_DTYPES, dequantize_ref, quantize_activation_ref
@@ -38,28 +39,18 @@ def fma32(a, b, c) -> np.ndarray:
 def ggml_expf(x) -> np.ndarray:
     """exp(x) in float32 as llama.cpp's softmax and SiLU compute it (ggml_v_expf, AVX-512
     form, bit for bit): 2^n (1 + b p(b)) with n = round(x log2 e), b = x - n ln 2 in two
-    parts, p of degree 5; 0 or infinity where |n| > 192."""
+    parts, p of degree 5; 0 or infinity past the limit (backends/llamacpp_numerics.py)."""
     x = np.asarray(x, np.float32)
-    hexes = ("0x1.8p23", "0x1.715476p+0", "0x1.62e4p-1", "0x1.7f7d1cp-20")
-    rounder, log2e, ln2_hi, ln2_lo = (np.float32(float.fromhex(h)) for h in hexes)
-    c5, c4, c3, c2, c1 = (
-        np.float32(float.fromhex(h))
-        for h in (
-            "0x1.0e4020p-7",
-            "0x1.573e2ep-5",
-            "0x1.555e66p-3",
-            "0x1.fffdb6p-2",
-            "0x1.ffffecp-1",
-        )
-    )
+    c5, c4, c3, c2, c1 = ggml.EXPF_POLY
     with np.errstate(invalid="ignore", over="ignore"):
-        n = fma32(x, log2e, rounder) - rounder
-        b = fma32(-n, ln2_lo, fma32(-n, ln2_hi, x))
+        n = fma32(x, ggml.EXPF_LOG2E, ggml.EXPF_ROUNDER) - ggml.EXPF_ROUNDER
+        b = fma32(-n, ggml.EXPF_LN2_LO, fma32(-n, ggml.EXPF_LN2_HI, x))
         u = b * b
         j = fma32(fma32(fma32(c5, b, c4), u, fma32(c3, b, c2)), u, fma32(c1, b, np.float32(1)))
-        k = np.clip(np.nan_to_num(n, nan=192.0), -192, 192).astype(np.int64)
+        limit = ggml.EXPF_LIMIT
+        k = np.clip(np.nan_to_num(n, nan=limit), -limit, limit).astype(np.int64)
         scaled = (j.astype(np.float64) * np.ldexp(1.0, k)).astype(np.float32)
-        beyond = np.abs(n) > 192
+        beyond = np.abs(n) > limit
         return np.where(beyond, np.where(n <= 0, np.float32(0), np.float32(np.inf)), scaled)
 
 
@@ -126,11 +117,12 @@ def _lane_dots(k: np.ndarray, q: np.ndarray) -> np.ndarray:
     AVX-512 where hd is a multiple of 16: lane t the fused multiply-adds of elements t, t +
     16, ..., then lane_sum; in float64 for other head sizes (ggml's own fp16 dot)."""
     rows, hd = k.shape
-    if hd % 16:
+    if hd % ggml.LANES:
         return (k.astype(np.float64) @ q.astype(np.float64)).astype(np.float32)
-    lanes = np.zeros((rows, 16), np.float32)
-    for at in range(0, hd, 16):
-        lanes = fma32(q[None, at : at + 16], k[:, at : at + 16], lanes)
+    lanes = np.zeros((rows, ggml.LANES), np.float32)
+    for at in range(0, hd, ggml.LANES):
+        part = slice(at, at + ggml.LANES)
+        lanes = fma32(q[None, part], k[:, part], lanes)
     return np.array([lane_sum(r) for r in lanes], np.float32)
 
 
@@ -251,13 +243,14 @@ class ReferenceBackend(Backend):
                 # as llama.cpp's softmax: exps summed 16 positions at a time (from position
                 # 0), those in float64; probabilities normalized in float32, then fp16
                 e = ggml_expf(s - s.max())
-                chunks = np.zeros(-(-(seen_positions[-1] + 1) // 16) * 16, np.float32)
+                width = ggml.LANES
+                chunks = np.zeros(-(-(seen_positions[-1] + 1) // width) * width, np.float32)
                 chunks[seen_positions] = e
-                total = sum(np.float64(lane_sum(c)) for c in chunks.reshape(-1, 16))
+                total = sum(np.float64(lane_sum(c)) for c in chunks.reshape(-1, width))
                 p = fp16_round(e * np.float32(1.0 / total))
                 # p times V as tinyBLAS: lane t the fused multiply-adds of positions = t mod 16
-                lanes = np.zeros((16, hd), np.float32)
+                lanes = np.zeros((width, hd), np.float32)
                 for position, weight, row in zip(seen_positions, p, v, strict=True):
-                    lanes[position % 16] = fma32(row, weight, lanes[position % 16])
+                    lanes[position % width] = fma32(row, weight, lanes[position % width])
                 out[i, j] = [lane_sum(lanes[:, c]) for c in range(hd)]
         return out.reshape(n, h * hd)

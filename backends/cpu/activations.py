@@ -18,7 +18,9 @@ from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.ops import PARALLEL_ROWS
 from fastrun.backends.cpu.simd import f16_round
 
-drop_stale_cache("activations", ("simd.py", "ops.py"))  # code and constants it inlines
+drop_stale_cache(
+    "activations", ("simd.py", "ops.py", "../llamacpp_numerics.py")
+)  # code and constants it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=False)
 

@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.simd import counted_loop, f16_round, vec
 
-drop_stale_cache("float_tiles", ("simd.py",))
+drop_stale_cache("float_tiles", ("simd.py", "../llamacpp_numerics.py"))
 
 FLOAT_TILE_ROWS = 32
 _VECTORS = FLOAT_TILE_ROWS // 8  # 8-float vectors per tile column

@@ -11,7 +11,10 @@ from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.matmul import qmatmul, qmatmul_many
 from fastrun.backends.cpu.ops import kv_store, rms_norm, rope, silu_mul
 
-drop_stale_cache("fused", ("matmul.py", "ops.py", "activations.py", "simd.py", "tiles.py"))
+drop_stale_cache(
+    "fused",
+    ("matmul.py", "ops.py", "activations.py", "simd.py", "tiles.py", "../llamacpp_numerics.py"),
+)
 
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 

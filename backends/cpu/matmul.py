@@ -18,7 +18,9 @@ from fastrun.backends.cpu.activations import quantize, quantize_32, quantize_k
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.tiles import TILE_NAMES, TILE_PRODUCTS, TILE_ROWS, FormatSet
 
-drop_stale_cache("matmul", ("simd.py", "tiles.py", "activations.py"))  # code it inlines
+drop_stale_cache(
+    "matmul", ("simd.py", "tiles.py", "activations.py", "../llamacpp_numerics.py")
+)  # code it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
 # The overloads below do no arithmetic: compiled with the options of the kernels that inline

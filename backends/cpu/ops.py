@@ -14,7 +14,6 @@ import numpy as np
 
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.simd import (
-    LANES,
     dot_lanes,
     f16_round,
     fma32,
@@ -23,8 +22,17 @@ from fastrun.backends.cpu.simd import (
     fma_rows_256,
     pow2_f64,
 )
+from fastrun.backends.llamacpp_numerics import (
+    EXPF_LIMIT,
+    EXPF_LN2_HI,
+    EXPF_LN2_LO,
+    EXPF_LOG2E,
+    EXPF_POLY,
+    EXPF_ROUNDER,
+    LANES,
+)
 
-drop_stale_cache("ops", ("simd.py",))  # code it inlines
+drop_stale_cache("ops", ("simd.py", "../llamacpp_numerics.py"))  # code, constants it inlines
 
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
 # Rows from which the element-wise and norm kernels run in parallel (Gemma-3-270M's pp256 lost
@@ -100,34 +108,24 @@ def kv_store(k_cache, v_cache, k, v, slots):
                 v_cache[s, h, i] = f16_round(v[t, h, i])
 
 
-# ggml's vector expf (ggml_v_expf, AVX-512 form: ggml-cpu/vec.h), which llama.cpp's softmax
-# and SiLU compute with: exp(x) = 2^n (1 + b p(b)), n = round(x log2 e), b = x - n ln 2 in two
-# parts, p a degree-5 polynomial; at most 1.5 ulp from exp, so its own bits are what llama.cpp
-# gets, and, without a call per value, a loop of it vectorizes.
-_ROUNDER = np.float32(float.fromhex("0x1.8p23"))  # adding it rounds to an integer
-_LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
-_LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
-_LN2_LO = np.float32(float.fromhex("0x1.7f7d1cp-20"))
-_EXP_POLY = tuple(
-    np.float32(float.fromhex(c))
-    for c in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3", "0x1.fffdb6p-2", "0x1.ffffecp-1")
-)
-_LIMIT = np.float32(192)  # past it, 0 or infinity
+# ggml's vector expf, which llama.cpp's softmax and SiLU compute with (its constants and
+# form: backends/llamacpp_numerics.py): at most 1.5 ulp from exp, so its own bits are what
+# llama.cpp gets, and, without a call per value, a loop of it vectorizes.
 
 
 @nb.njit(**_JIT)
 def expf_ggml(x):
     """exp(x) in float32 as ggml_v_expf computes it, bit for bit (its fused multiply-adds
     as such; its scalef, j * 2^n, an exact float64 product rounded once)."""
-    c5, c4, c3, c2, c1 = _EXP_POLY
-    z = fma32(x, _LOG2E, _ROUNDER)
-    n = z - _ROUNDER
-    b = fma32(-n, _LN2_LO, fma32(-n, _LN2_HI, x))
+    c5, c4, c3, c2, c1 = EXPF_POLY
+    z = fma32(x, EXPF_LOG2E, EXPF_ROUNDER)
+    n = z - EXPF_ROUNDER
+    b = fma32(-n, EXPF_LN2_LO, fma32(-n, EXPF_LN2_HI, x))
     u = b * b
     j = fma32(fma32(fma32(c5, b, c4), u, fma32(c3, b, c2)), u, fma32(c1, b, np.float32(1)))
-    k = min(max(n, -_LIMIT), _LIMIT)  # in range for the exponent bits (NaN: the limit)
+    k = min(max(n, -EXPF_LIMIT), EXPF_LIMIT)  # in range for the exponent bits (NaN: the limit)
     scaled = np.float32(np.float64(j) * pow2_f64(np.int64(k)))
-    if abs(n) > _LIMIT:
+    if abs(n) > EXPF_LIMIT:
         return np.float32(0) if n <= 0 else np.float32(np.inf)
     return scaled
 
@@ -315,13 +313,11 @@ def _lane_run(probs, at0, n, position, v_cache, row0, kv, lanes):
         at, row, step = np.int64(at0 + skip), np.int64(row0 + skip), np.int64(LANES)
         args = (np.int64(count), step, np.int64(kv))
         # the lane's sums in registers: every column at once for the usual head sizes
-        if hd == 64:
-            fma_rows_64(probs, at, v_cache, row, *args, np.int64(0), lanes, np.int64(lane))
-        elif hd == 128:
+        if hd == 128:
             fma_rows_128(probs, at, v_cache, row, *args, np.int64(0), lanes, np.int64(lane))
         elif hd == 256:
             fma_rows_256(probs, at, v_cache, row, *args, np.int64(0), lanes, np.int64(lane))
-        elif hd % 64 == 0:
+        elif hd % 64 == 0:  # 64, or 64 columns at a time
             for col in range(0, hd, 64):
                 fma_rows_64(probs, at, v_cache, row, *args, np.int64(col), lanes, np.int64(lane))
         else:

@@ -19,6 +19,7 @@ from numba.core import cgutils
 from numba.core import config as numba_config
 from numba.extending import intrinsic
 
+from fastrun.backends.llamacpp_numerics import LANES
 from fastrun.quant.fast import f16_round as _portable_f16_round
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -190,8 +191,7 @@ def fma32(typingctx, a, b, c):
 
     def codegen(context, builder, sig, args):
         f = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
-        return builder.call(fn, args)
+        return builder.call(_intrinsic_fn(builder, "llvm.fma.f32", f, [f] * 3), args)
 
     return f32(f32, f32, f32), codegen
 
@@ -206,9 +206,6 @@ def pow2_f64(typingctx, k):
         return builder.bitcast(builder.shl(biased, ir.Constant(i64, 52)), ir.DoubleType())
 
     return types.float64(types.int64), codegen
-
-
-LANES = 16  # llama.cpp's AVX-512 vectors: the lanes its products and softmax sum over
 
 
 def lane_tree(builder, v):

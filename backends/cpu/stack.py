@@ -26,7 +26,15 @@ from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer, root_array
 
 drop_stale_cache(
     "stack",
-    ("fused.py", "matmul.py", "ops.py", "activations.py", "simd.py", "tiles.py"),
+    (
+        "fused.py",
+        "matmul.py",
+        "ops.py",
+        "activations.py",
+        "simd.py",
+        "tiles.py",
+        "../llamacpp_numerics.py",
+    ),
 )
 
 _JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False)
