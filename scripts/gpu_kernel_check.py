@@ -7,10 +7,11 @@ others.
     python scripts/gpu_kernel_check.py --parts correct,time --json $OUT/check.json
 
 Parts:
-  correct  every weight format, 1..16 tokens: the default dispatch, matmul_exact, matvec_tile
-           and matmul_few against the NumPy reference (max abs error over max |reference|; the
-           parity tests allow 1e-4), and matmul_exact and matvec_tile (staged and unstaged
-           activations) bit for bit against the dp4a matvec (matvec_q)
+  correct  every weight format, 1..16 tokens: the default dispatch, matmul_exact, matvec_tile,
+           matmul_chains and matmul_few against the NumPy reference (max abs error over max
+           |reference|; the parity tests allow 1e-4), and matmul_exact, matvec_tile (staged and
+           unstaged activations), matmul_chains (up to 8) and the default (where exact) bit for
+           bit against the dp4a matvec (matvec_q)
   time     the 7B-shaped products (n_out x n_in: 4096x4096, 11008x4096, 4096x11008, 32000x4096)
            for Q4_0 and Q4_K at 1, 2, 4, 8, 9, 16 tokens: old dispatch (dp4a matvec up to 4
            tokens, tensor cores above) / matvec_tile for 2..16 / matmul_exact for 2..16, in
@@ -24,8 +25,8 @@ Parts:
   tg       scripts/gpu_bench.py on the 7B Q4_0 and Q4_K shapes (pp512, tg128 at depth 512,
            batch 1 and 16)
 
-The old dispatch is FASTRUN_SMALL_BATCH=0 FASTRUN_EXACT_BATCH=0 FASTRUN_GRAPH_EXACT=0
-FASTRUN_ATTN_FEW_BLOCKS=256.
+The old dispatch is FASTRUN_SMALL_BATCH=0 FASTRUN_EXACT_BATCH=0 FASTRUN_CHAINS=0,0
+FASTRUN_MMA_ONE_FRAGMENT=0 FASTRUN_GRAPH_EXACT=0 FASTRUN_ATTN_FEW_BLOCKS=256.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from gpu_matmul_bench import event_time  # noqa: E402  (CUDA events, median of r
 OLD_ENV = {
     "FASTRUN_SMALL_BATCH": "0",
     "FASTRUN_EXACT_BATCH": "0",
+    "FASTRUN_CHAINS": "0,0",
+    "FASTRUN_MMA_ONE_FRAGMENT": "0",
     "FASTRUN_GRAPH_EXACT": "0",
     "FASTRUN_ATTN_FEW_BLOCKS": "256",
 }
@@ -100,11 +103,12 @@ def dispatch(**settings):
             setattr(cb, k, v)
 
 
-OLD = dict(SMALL_BATCH=0, EXACT_BATCH=0)  # in-process: the old split (graphs not involved)
-TILE = dict(SMALL_BATCH=16, EXACT_BATCH=0)  # matvec_tile for 2..16
+OLD = dict(SMALL_BATCH=0, EXACT_BATCH=0, CHAINS=(0, 0))  # in-process: the old split
+TILE = dict(SMALL_BATCH=16, EXACT_BATCH=0, CHAINS=(0, 0))  # matvec_tile for 2..16
 EXACT = dict(SMALL_BATCH=0, EXACT_BATCH=16)  # matmul_exact for 2..16
 TIMED = (("old", OLD), ("tile", TILE), ("exact", EXACT))
-MATVEC_ONLY = dict(SMALL_BATCH=0, EXACT_BATCH=0, MATVEC_BATCH=16)  # matvec_q up to 16
+MATVEC_ONLY = dict(SMALL_BATCH=0, EXACT_BATCH=0, CHAINS=(0, 0), MATVEC_BATCH=16)  # matvec_q
+CHAINS = dict(SMALL_BATCH=0, EXACT_BATCH=0, CHAINS=(2, 8))  # matmul_chains for 2..8
 
 
 # -- correct ------------------------------------------------------------------------------------
@@ -114,6 +118,7 @@ def part_correct(backend) -> None:
     import cupy as cp
     from helpers import random_blocks
 
+    import fastrun.backends.cuda.backend as cb
     from fastrun.backends.cuda.weights import KERNEL_FORMATS
     from fastrun.backends.reference import ReferenceBackend
 
@@ -143,14 +148,20 @@ def part_correct(backend) -> None:
                     got["matvec_q"] = cp.asnumpy(backend.matmul(xd, w))
                 with dispatch(**OLD):
                     got["old"] = cp.asnumpy(backend.matmul(xd, w))
-                with dispatch(EXACT_BATCH=0, FEW_MMA_FROM=2):
+                with dispatch(**CHAINS):
+                    got["chains"] = cp.asnumpy(backend.matmul(xd, w))
+                with dispatch(EXACT_BATCH=0, CHAINS=(0, 0), FEW_MMA_FROM=2):
                     got["few_mma"] = cp.asnumpy(backend.matmul(xd, w))
                 scale = float(np.abs(expect).max())
                 err = {k: float(np.abs(v - expect).max()) / scale for k, v in got.items()}
                 errs.append(err["new"])
                 few_worst = max(few_worst, err["few_mma"])
                 worst = max(worst, err["new"], err["unstaged"], err["tile"], err["exact"])
-                for k in ("exact", "tile", "unstaged"):
+                worst = max(worst, err["chains"])
+                exact_new = n <= max(cb.SMALL_BATCH, cb.CHAINS[1])  # the default's exact sizes
+                for k in (
+                    ("exact", "tile", "unstaged") + ("chains",) * (n <= 8) + ("new",) * exact_new
+                ):
                     if not np.array_equal(got["matvec_q"], got[k]):
                         unequal.append((qtype, n_in, n, k))
                 if max(err["new"], err["unstaged"], err["few_mma"]) > 1e-4:

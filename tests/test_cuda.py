@@ -116,25 +116,28 @@ def test_graph_replay_matches_eager(tmp_path):
         np.testing.assert_allclose(out[0], out[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["matmul_exact", "matvec_tile"])
+@pytest.mark.parametrize("kernel", ["matmul_exact", "matvec_tile", "matmul_chains"])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_few_token_products_equal_each_token_alone(qtype, kernel, monkeypatch):
-    """Products of 2..16 tokens (matmul_exact's tensor cores; matvec_tile, where told to)
-    give each token, bit for bit, what the one-token matvec gives it alone: speculation's
-    checking passes and small batches compute the numbers plain decoding does."""
+    """Products of 2..16 tokens (matmul_exact's tensor cores; matvec_tile, where told to;
+    matmul_chains' up to 8) give each token, bit for bit, what the one-token matvec gives it
+    alone: speculation's checking passes and small batches compute the numbers plain
+    decoding does."""
     from helpers import random_blocks
 
     import fastrun.backends.cuda.backend as cb
     from fastrun.backends import get_backend
 
-    tokens = dict(matvec_tile=(16, 0), matmul_exact=(0, 16))[kernel]
+    tokens = dict(matvec_tile=(16, 0, 0), matmul_exact=(0, 16, 0), matmul_chains=(0, 0, 8))
+    tokens = tokens[kernel]
     monkeypatch.setattr(cb, "SMALL_BATCH", tokens[0])
     monkeypatch.setattr(cb, "EXACT_BATCH", tokens[1])
+    monkeypatch.setattr(cb, "CHAINS", (2, tokens[2]))
     backend = get_backend("cuda")
     rng = np.random.default_rng(3)
     raw = random_blocks(qtype, 200, 3328, rng)  # rows: no multiple of a block's
     w = backend.load_weight(raw, qtype, 200, 3328)
-    for n in (2, 3, 4, 5, 8, 9, 16):
+    for n in (2, 3, 4, 5, 8, 9, 16) if kernel != "matmul_chains" else (2, 3, 4, 5, 7, 8):
         x = rng.standard_normal((n, 3328)).astype(np.float32)
         together = backend.to_host(
             backend.matmul(backend.load_vector(x.reshape(-1)).reshape(n, -1), w)
@@ -144,25 +147,30 @@ def test_few_token_products_equal_each_token_alone(qtype, kernel, monkeypatch):
             np.testing.assert_array_equal(together[i], alone[0], err_msg=f"n={n}, token {i}")
 
 
-@pytest.mark.parametrize("dispatch", ["default", "exact"])
+@pytest.mark.parametrize("dispatch", ["default", "exact", "long"])
 @pytest.mark.parametrize("arch, qtype", [("llama", "Q4_0"), ("qwen2", "Q4_K")])
 def test_checking_pass_logits_equal_one_token_steps(tmp_path, monkeypatch, arch, qtype, dispatch):
     """A pass of one sequence's 2..9 tokens (speculation's checking pass, captured) gives each
-    token the logits, bit for bit, of one-token steps: passes of up to SMALL_BATCH tokens by
-    default (matvec_tile), and of up to 16 with FASTRUN_EXACT_BATCH=16 (matmul_exact). A
-    short cache: every pass's attention takes one split."""
+    token the logits, bit for bit, of one-token steps: passes of up to SMALL_BATCH or CHAINS[1]
+    tokens by default (matvec_tile, matmul_chains), and of up to 16 with FASTRUN_EXACT_BATCH=16
+    (matmul_exact). A short cache: every pass's attention takes one split; "long": 600 cached
+    tokens in 1024 cells, which a pass of up to 4 tokens splits as a one-token step does."""
     import fastrun.backends.cuda.backend as cb
     from fastrun.backends import get_backend
 
     if dispatch == "exact":
         monkeypatch.setattr(cb, "EXACT_BATCH", 16)
-    largest = 9 if dispatch == "exact" else cb.SMALL_BATCH
+    largest = 9 if dispatch == "exact" else max(cb.SMALL_BATCH, cb.CHAINS[1])
     path = write_tiny_model(tmp_path / "m.gguf", arch, qtype, 256, 512, 2, 4, 2, 300)
     f = GGUFFile(str(path))
     model = model_class(f.architecture)(f, get_backend("cuda"))
     prefix, drafts = [5, 17, 250, 3, 99], [140, 7, 8, 61, 2, 33, 200, 9, 4]
+    cells_size = 64
+    if dispatch == "long":
+        prefix = np.random.default_rng(1).integers(0, 300, 600).tolist()
+        cells_size = 1024
     for n in range(2, largest + 1):
-        together, alone = model.new_cells(1, 64), model.new_cells(1, 64)
+        together, alone = model.new_cells(1, cells_size), model.new_cells(1, cells_size)
         for cells in (together, alone):
             model.forward(prefix, cells.sequences[0])
         batch = Batch()

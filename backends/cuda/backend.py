@@ -70,6 +70,16 @@ FEW_MMA_UNROLL = 4
 # EXACT_MIN_BLOCKS; 2 or 4 rounds, or one block, were slower).
 EXACT_BATCH = int(os.environ.get("FASTRUN_EXACT_BATCH", "0"))
 EXACT_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_EXACT", "1,2").split(","))
+# Products of CHAINS[0]..CHAINS[1] tokens (2..8 at most) take matmul_chains (matmul.cu):
+# matmul_mma's tensor-core pipeline with the float work in matvec_q's order, every token's
+# result bit for bit the one-token matvec's, where the rows hold whole 8-group chunks
+# (K % 256 == 0; else matvec_tile or matmul_mma as below). H200, 7B Q4_0 shape, a pass's
+# products alone (scripts/gpu_pass_profile.py products, ninth session): 1.87-1.90 ms at 2..8
+# tokens against matvec_tile's 1.73 (2), 2.14 (3), 2.44 (4) and the inexact matmul_mma's
+# 1.44, so by default 3..4. CHAIN_SM_WARPS: the warps an SM must hold (caps the registers:
+# 128 at 16; 20, 96 registers, was 5 % slower).
+CHAINS = tuple(int(v) for v in os.environ.get("FASTRUN_CHAINS", "3,4").split(","))
+CHAIN_SM_WARPS = int(os.environ.get("FASTRUN_CHAIN_SM_WARPS", "16"))
 # one token through matvec_tile as well, "rows a warp:groups in flight:warps a block" (empty:
 # matvec_q, tuned by FASTRUN_MATVEC)
 ONE_TILE = tuple(int(v) for v in os.environ.get("FASTRUN_MATVEC1_TILE", "").split(":") if v)
@@ -84,6 +94,9 @@ DENSE_ROWS = int(os.environ.get("FASTRUN_DENSE_ROWS", "128"))
 # earlier designs: activation chunks staged in shared memory beside the weights 4.02, warps
 # splitting rows around one shared activation tile (K split across blocks) 4.93
 MMA_SM_WARPS = int(os.environ.get("FASTRUN_MMA_SM_WARPS", "24"))
+# products of up to MMA_ONE_FRAGMENT tokens compute only the first 8-token fragment of the
+# block's 16-token tile (half the mma and float work; 0: both fragments always)
+MMA_ONE_FRAGMENT = int(os.environ.get("FASTRUN_MMA_ONE_FRAGMENT", "8"))
 MMA_WARPS = tuple(int(v) for v in os.environ.get("FASTRUN_MMA_WARPS", "4,12").split(","))
 MMA_SM_SHARED = int(os.environ.get("FASTRUN_MMA_SHARED", str(160 * 1024)))
 MMA_CHUNK = 128  # bytes of a row's plane 0 per chunk (matmul.cu)
@@ -92,6 +105,8 @@ MMA_TOKENS = 16  # tokens per tensor-core block
 EXACT_WARPS = 8  # matmul_exact's warps a block (matmul.cu)
 MMA_ROW_GROUPS = 8  # the tensor-core kernel takes rows of whole 8-group chunks (matmul.cu)
 ATTN_MIN_SHARE = 64  # the fewest cache positions worth an attention split of their own
+# attn_split's blocks an SM must hold (ops.cu; caps its registers, which change no result)
+ATTN_MIN_BLOCKS = int(os.environ.get("FASTRUN_ATTN_MIN_BLOCKS", "1"))
 ATTN_MAX_SPLITS = 128  # at most as many splits as the merge's threads (ops.cu)
 ATTN_TILE, ATTN_TILE_DIMS = 64, (64, 128, 256)  # prefill attention: queries a tile; head dims
 HOST_VECTORS = 16  # host int vectors kept on the device by content (_ints)
@@ -105,6 +120,18 @@ ATTN_FEW = tuple(
     int(os.environ.get(name, default))
     for name, default in (("FASTRUN_ATTN_FEW_TOKENS", "9"), ("FASTRUN_ATTN_FEW_BLOCKS", "2048"))
 )
+# A pass of 2..ATTN_GROUP[0] queries (at most ATTN_GROUP_MAX) takes attn_group (ops.cu): one
+# block for all of them a head and split, each round's K and V rows read once for the queries
+# of one sequence, every query's numbers as attn_split gives them alone; splits for about
+# ATTN_GROUP[1] blocks, as a one-token step's (ATTN_BLOCKS[0]), so a checking pass splits the
+# cache as a step does. Off (0) by default: its blocks take their queries one after another,
+# and on the H200 (7B Q4_0 shape, 512 cached tokens, ninth session) checking passes were
+# slower with it, 9 tokens 2.22x a decode step against 1.78x with attn_split.
+ATTN_GROUP = tuple(
+    int(os.environ.get(name, default))
+    for name, default in (("FASTRUN_ATTN_GROUP", "0"), ("FASTRUN_ATTN_GROUP_BLOCKS", "512"))
+)
+ATTN_GROUP_MAX = 16  # attn_group's most queries (ops.cu)
 GRAPH_MAX_TOKENS = 64  # the largest decode step captured as a graph (step_size)
 # steps of up to this many tokens are captured at their own size, not padded to a power of
 # two: a checking pass of 9 tokens computes 9, not 16 (0: powers of two throughout)
@@ -153,16 +180,17 @@ class _Kernels:
     def __init__(self):
         rows, unroll = MATVEC_TUNING
         options = ("-std=c++17", f"-I{SOURCES}", f"-DMV_ROWS={rows}", f"-DMV_UNROLL1={unroll}")
-        options += (f"-DMMA_SM_WARPS={MMA_SM_WARPS}",)
+        options += (f"-DMMA_SM_WARPS={MMA_SM_WARPS}", f"-DCHAIN_SM_WARPS={CHAIN_SM_WARPS}")
+        options += (f"-DATTN_MIN_BLOCKS={ATTN_MIN_BLOCKS}",)
         options += (f"-DEXACT_ROUNDS={EXACT_TUNING[0]}", f"-DEXACT_MIN_BLOCKS={EXACT_TUNING[1]}")
         names = []
         for f in KERNEL_FORMATS.values():
             names += [f"matvec_q<{f}, {t}>" for t in MATVEC_TOKENS]
-            names += [f"matmul_mma<{f}, {w}>" for w in MMA_WARPS]
+            names += [f"matmul_mma<{f}, {w}, {nf}>" for w in MMA_WARPS for nf in (1, 2)]
             names += [f"embed_q<{f}>", f"dequant_f16<{f}>"]
             names += [f"matvec_tile<{f}, {r}, {t}, {u}>" for t, r, u in small_tiles()]
             names += [f"matmul_few<{f}, {nf}, {FEW_MMA_UNROLL}>" for nf in (1, 2)]
-            names += [exact_name(f, n) for n in (8, 16)]
+            names += [exact_name(f, n) for n in (8, 16)] + [f"matmul_chains<{f}, 1>"]
         for t in ("__half", "float"):
             names += [f"matvec_f<{t}, {n}>" for n in MATVEC_TOKENS] + [f"embed_f<{t}>"]
         self.matmul = cp.RawModule(
@@ -183,7 +211,12 @@ class _Kernels:
             else:
                 module = self.select if name == "top_k" else self.ops
             function = module.get_function(name)
-            if name.startswith(("matmul_mma", "attn_tiles", "matvec_tile")):  # past 48 KB
+            if name.startswith(("matmul_mma", "matmul_chains", "attn_tiles", "attn_group")):
+                # past 48 KB: what the static shared memory leaves of the opt-in limit
+                function.max_dynamic_shared_size_bytes = (
+                    self._shared_optin - function.shared_size_bytes
+                )
+            elif name.startswith("matvec_tile"):
                 function.max_dynamic_shared_size_bytes = self._shared_optin
             kernel = self._cache[name] = partial(self.launch, function)
         return kernel
@@ -192,7 +225,7 @@ class _Kernels:
 def _tensor_cores(n: int, n_in: int) -> bool:
     """Whether products of n tokens with rows of n_in weights take a tensor-core kernel,
     whose activations are tiled (quantize.cuh); else a matvec or cuBLAS."""
-    if _exact(n) or _few_mma(n):
+    if _exact(n) or _few_mma(n) or _chains(n, n_in):
         return True
     if _takes_tile(n):
         return False
@@ -215,6 +248,12 @@ def exact_launch(w: CUDAWeight, n: int):
     a tile of MMA_TOKENS tokens."""
     grid = (-(-w.n_out // 16), -(-n // MMA_TOKENS))
     return exact_name(w.kernel_format, n), grid, (32 * EXACT_WARPS,)
+
+
+def _chains(n: int, n_in: int) -> bool:
+    """Whether a quantized product of n tokens with rows of n_in weights takes matmul_chains."""
+    fits = max(CHAINS[0], 2) <= n <= min(CHAINS[1], 8) and n_in % (32 * MMA_ROW_GROUPS) == 0
+    return fits and not _exact(n)
 
 
 def _few_mma(n: int) -> bool:
@@ -256,7 +295,7 @@ def tile_launch(w: CUDAWeight, n: int, tile: tuple[int, int, int], warps: int, s
     return name, grid, (32 * warps,), shared if stage else 0, stage
 
 
-def _mma_ring(w: CUDAWeight, warps: int) -> tuple[int, int]:
+def _mma_ring(w: CUDAWeight, warps: int, sm_warps: int = 0) -> tuple[int, int]:
     """(stages, dynamic shared bytes) of the tensor-core kernel for w: as many tiles a warp as
     it has chunks, within MMA_SM_SHARED for an SM's warps and MMA_MAX_STAGES (one at least)."""
     groups = w.n_in // 32
@@ -267,7 +306,7 @@ def _mma_ring(w: CUDAWeight, warps: int) -> tuple[int, int]:
         tile += 64 if row < groups else 16 * row // groups * per_chunk
     tile = (tile + 15) // 16 * 16
     chunks_per_warp = -(-(groups // per_chunk) // warps)
-    fit = MMA_SM_SHARED // (MMA_SM_WARPS * tile)
+    fit = MMA_SM_SHARED // ((sm_warps or MMA_SM_WARPS) * tile)
     stages = max(1, min(MMA_MAX_STAGES, chunks_per_warp, fit))
     return stages, max(warps * stages * tile, warps * 8 * 32 * 4)  # or the partial sums
 
@@ -418,6 +457,15 @@ class CUDABackend(Backend):
             name, grid, block = exact_launch(w, n)
             self.k(name)(grid, block, inputs)
             return
+        if _chains(n, w.n_in):
+            group_bytes = w.planes[0].nbytes // (w.n_out * (w.n_in // 32))  # of plane 0
+            warps = 32 * group_bytes // MMA_CHUNK  # 32 chains, a chunk's groups a warp
+            stages, shared = _mma_ring(w, warps, CHAIN_SM_WARPS)
+            shared = max(shared, 32 * 4 * 32 * 4)  # the chains, for the tree at the end
+            grid = ((w.n_out + 15) // 16, 1)
+            kernel = self.k(f"matmul_chains<{w.kernel_format}, 1>")
+            kernel(grid, (32 * warps,), (*inputs, _i32(stages)), shared)
+            return
         if _few_mma(n):
             name, grid, block = few_mma_launch(w, n, FEW_MMA_WARPS, FEW_MMA_UNROLL)
             self.k(name)(grid, block, inputs)
@@ -439,7 +487,8 @@ class CUDABackend(Backend):
         grid = ((w.n_out + 15) // 16, (n + MMA_TOKENS - 1) // MMA_TOKENS)
         warps = self._mma_warps(grid[0] * grid[1], w.n_in // (32 * MMA_ROW_GROUPS))
         stages, shared = _mma_ring(w, warps)
-        kernel = self.k(f"matmul_mma<{w.kernel_format}, {warps}>")
+        fragments = 1 if n <= min(MMA_ONE_FRAGMENT, 8) else 2
+        kernel = self.k(f"matmul_mma<{w.kernel_format}, {warps}, {fragments}>")
         kernel(grid, (32 * warps,), (*inputs, _i32(stages)), shared)
 
     def _mma_warps(self, blocks: int, chunks: int) -> int:
@@ -671,7 +720,11 @@ class CUDABackend(Backend):
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
         # positions (in whole rounds of loads, ops.cu) and the combine merges them
         splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
-        budget = ATTN_FEW[1] if 1 < n <= ATTN_FEW[0] else ATTN_BLOCKS[n > 1]
+        grouped = 1 < n <= min(ATTN_GROUP[0], ATTN_GROUP_MAX)
+        if grouped:  # one block takes all n queries: the splits of a one-token step
+            budget = ATTN_GROUP[1] * n
+        else:
+            budget = ATTN_FEW[1] if 1 < n <= ATTN_FEW[0] else ATTN_BLOCKS[n > 1]
         splits = max(1, min(splits, budget // (n * h), ATTN_MAX_SPLITS))
         pos = self._ints(positions)
         starts = cp.zeros(n, cp.int32) if starts is None else self._ints(starts)
@@ -692,7 +745,11 @@ class CUDABackend(Backend):
         else:
             args += (_NULL, _NULL, _NULL, _i32(0))
         args += (_i32(window), np.float32(softcap), offsets, _i32(max(ring, 0)))
-        self.k("attn_split")((h, splits, n), (128,), args)
+        if grouped:
+            shared = n * (10 * 128 + hd) * 4  # each thread's streams of the n queries; q rows
+            self.k("attn_group")((h, splits, 1), (128,), (*args, _i32(n), _i32(n)), shared)
+        else:
+            self.k("attn_split")((h, splits, n), (128,), args)
         return out if act is None else QuantizedRows(out, act)
 
     def _attention_tiles(

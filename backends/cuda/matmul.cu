@@ -3,9 +3,10 @@
 // The activation is first quantized to 8 bits as llama.cpp's CPU path pairs it with the
 // weight format (quantize_rows), then multiplied in integers: dp4a for one token (matvec_q,
 // decode) and for 2..16 (matvec_tile: each weight read once for all of them, the same sums
-// per token), int8 tensor-core mma for more (matmul_mma; matmul_few, an alternative for a
-// few tokens the backend takes where told to; matmul_exact, tensor cores with matvec_q's
-// bits per token for 2..16, likewise).
+// per token), int8 tensor-core mma for more (matmul_mma; matmul_chains, its pipeline with
+// matvec_q's bits per token for 2..8; matmul_few, an alternative for a few tokens the backend
+// takes where told to; matmul_exact, tensor cores with matvec_q's bits per token for 2..16,
+// likewise).
 #include "formats.cuh"
 #include "launch.cuh"
 #include "quantize.cuh"
@@ -574,14 +575,17 @@ struct ChunkTile {
     }
 };
 
-// acc [fragment][element] += the chunk at group c0 of a warp's tile times the two 8-token
-// fragments of the tiled activation from group x0 on (the block's tile of tokens, group c0).
-// Element e of fragment f: row gq + 8 (e >> 1), token 8f + 2t + (e & 1). Tokens past n_tok
-// (the tile's padding) are read as they are: their columns of the results are not stored.
-template <class F>
+// acc [chain][fragment][element] += the chunk at group c0 of a warp's tile times the NF
+// 8-token fragments of the tiled activation from group x0 on (the block's tile of tokens,
+// group c0). Element e of fragment f: row gq + 8 (e >> 1), token 8f + 2t + (e & 1). Tokens
+// past n_tok (the tile's padding) are read as they are: their columns of the results are not
+// stored. CH = 1: every group into acc[0]; CH = U: group u of the chunk into chain u, its term
+// rounded as matvec_q's (group_term).
+template <class F, int NF, int CH>
 __device__ __forceinline__ void mma_chunk(const unsigned char* tile, int row_base, int G,
                                           int c0, const signed char* xq, const float* xd,
-                                          const float* xs, long long x0, float (&acc)[2][4]) {
+                                          const float* xs, long long x0,
+                                          float (&acc)[CH][NF][4]) {
     using T = ChunkTile<F>;
     constexpr int U = T::U, V = F::qbytes / 16;  // groups per chunk, 16-byte vectors per group
     const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
@@ -612,27 +616,33 @@ __device__ __forceinline__ void mma_chunk(const unsigned char* tile, int row_bas
             sc[h] = F::scale(L, (8 * h + gq) * U + u, sb[h]);
         }
 #pragma unroll
-        for (int f = 0; f < 2; ++f) {
+        for (int f = 0; f < NF; ++f) {
             const int at = u * 16 + f * 8;  // the fragment's first token from x0
             const int2 b = *reinterpret_cast<const int2*>(xb + at * 32);
             const float2 d = *reinterpret_cast<const float2*>(xdt + at);
             const float2 m = F::has_min ? *reinterpret_cast<const float2*>(xst + at)
                                         : make_float2(0.f, 0.f);
-            int c_lo[4], c_hi[4];
+            int c_lo[4], c_hi[4] = {0, 0, 0, 0};
             if (F::split) {
                 mma_k16(c_lo, lo[0], lo[1], b.x, SUM_BIAS);
                 mma_k16(c_hi, hi[0], hi[1], b.y, SUM_BIAS);
             } else {
                 mma_k32(c_lo, lo[0], lo[1], hi[0], hi[1], b.x, b.y, SUM_BIAS);
             }
+            float(&a)[4] = acc[CH == 1 ? 0 : u][f];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const GroupScale& gs = sc[e >> 1];
-                const float p = F::split
-                                    ? gs.s_lo * biased_sum(c_lo[e]) + gs.s_hi * biased_sum(c_hi[e])
-                                    : gs.s_lo * biased_sum(c_lo[e]);
-                acc[f][e] += (e & 1 ? d.y : d.x) * p;
-                if (F::has_min) acc[f][e] += gs.m * (e & 1 ? m.y : m.x);
+                if constexpr (CH > 1) {
+                    a[e] = group_term<F>(a[e], c_lo[e], c_hi[e], gs, e & 1 ? d.y : d.x,
+                                         e & 1 ? m.y : m.x);
+                } else {
+                    const float p = F::split ? gs.s_lo * biased_sum(c_lo[e]) +
+                                                   gs.s_hi * biased_sum(c_hi[e])
+                                             : gs.s_lo * biased_sum(c_lo[e]);
+                    a[e] += (e & 1 ? d.y : d.x) * p;
+                    if (F::has_min) a[e] += gs.m * (e & 1 ? m.y : m.x);
+                }
             }
         }
     }
@@ -640,11 +650,12 @@ __device__ __forceinline__ void mma_chunk(const unsigned char* tile, int row_bas
 
 // y (+)= the block's results: lane's acc [fragment][element] for rows row_base + gq + 8 (e >> 1),
 // tokens tok_base + 8f + 2t + (e & 1)
-__device__ __forceinline__ void mma_store(const float (&acc)[2][4], float* y, int row_base,
+template <int NF>
+__device__ __forceinline__ void mma_store(const float (&acc)[NF][4], float* y, int row_base,
                                           int tok_base, int N, int n_tok, int accumulate) {
     const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int f = 0; f < 2; ++f)
+    for (int f = 0; f < NF; ++f)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int row = row_base + gq + 8 * (e >> 1), tok = tok_base + 8 * f + 2 * t + (e & 1);
@@ -656,7 +667,9 @@ __device__ __forceinline__ void mma_store(const float (&acc)[2][4], float* y, in
 }
 
 // Dynamic shared memory: max(W * stages * ChunkTile<F>::BYTES, W * 1 KB) (the partial sums).
-template <class F, int W>
+// NF: the 8-token fragments of the block's tile of 16 tokens computed (1: tokens 0..7 alone,
+// for products of at most 8 tokens: half the mma and float work).
+template <class F, int W, int NF>
 __global__ void __launch_bounds__(W * 32, MMA_SM_WARPS / W)
     matmul_mma(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
                const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
@@ -680,14 +693,19 @@ __global__ void __launch_bounds__(W * 32, MMA_SM_WARPS / W)
     };
     for (int s = 0; s < stages; ++s) issue(ring + s * T::BYTES);
     pdl_wait();  // the first weights are on their way: now the activations may be read
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    static_assert(NF == 1 || NF == 2, "a tile of 16 tokens: one or two 8-token fragments");
+    float acc[1][NF][4];
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][f][e] = 0.f;
     unsigned char* tile = ring;
     for (int chunk = warp; chunk < chunks; chunk += W) {
         cp_async_wait_dyn(stages - 1);  // this chunk has landed (this lane's copies)
         __syncwarp();  // ... and every lane's
         const int c0 = chunk * U;
         const long long x0 = ((long long)blockIdx.y * G + c0) * 16;
-        mma_chunk<F>(tile, row_base, G, c0, xq, xd, xs, x0, acc);
+        mma_chunk<F, NF, 1>(tile, row_base, G, c0, xq, xd, xs, x0, acc);
         __syncwarp();  // the tile is read: the chunk `stages` on may take its place
         issue(tile);
         tile = tile + T::BYTES == ring_end ? ring : tile + T::BYTES;
@@ -696,21 +714,113 @@ __global__ void __launch_bounds__(W * 32, MMA_SM_WARPS / W)
     __syncthreads();  // every tile is read: the space holds the partial sums now
     float(*partial)[8][32] = reinterpret_cast<float(*)[8][32]>(smem);
 #pragma unroll
-    for (int f = 0; f < 2; ++f)
+    for (int f = 0; f < NF; ++f)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) partial[warp][f * 4 + e][lane] = acc[f][e];
+        for (int e = 0; e < 4; ++e) partial[warp][f * 4 + e][lane] = acc[0][f][e];
     __syncthreads();
     if (warp == 0) {
 #pragma unroll
-        for (int f = 0; f < 2; ++f)
+        for (int f = 0; f < NF; ++f)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float v = 0.f;
 #pragma unroll
                 for (int w = 0; w < W; ++w) v += partial[w][f * 4 + e][lane];
-                acc[f][e] = v;
+                acc[0][f][e] = v;
             }
-        mma_store(acc, y, row_base, tok_base, N, n_tok, accumulate);
+        mma_store<NF>(acc[0], y, row_base, tok_base, N, n_tok, accumulate);
+    }
+}
+
+// ---- a few tokens on tensor cores, matvec_q's bits per token: chains ------------------------
+// matmul_mma's pipeline (each warp's chunks through its own ring of cp.async tiles) with the
+// float work in matvec_q's order, so every token gets, bit for bit, what the one-token matvec_q
+// gives it alone. matvec_q's lane l adds a row's groups l, l + 32, l + 64, ... in turn (a
+// chain), then warp_sum's butterfly adds the 32 chains; an int8 mma gives a group's sums as
+// the same integers dp4a does. With W = 32 / U warps (U groups a chunk), warp w takes chunks
+// w, w + W, w + 2W, ...: group u of each lies on chain U * w + u, and the warp adds the
+// chunks in turn, so each of its U chains gets its groups in order (group_term, as
+// matvec_q). At the end the 32 chains meet in shared memory in the butterfly's tree.
+// Dynamic shared memory: max(W * stages * ChunkTile<F>::BYTES, 32 * NF * 4 * 32 * 4).
+
+#ifndef CHAIN_SM_WARPS
+#define CHAIN_SM_WARPS 16  // warps an SM must hold: caps the registers (backend.py)
+#endif
+
+template <class F, int NF>
+__global__ void __launch_bounds__(32 * 32 / ChunkTile<F>::U,
+                                  CHAIN_SM_WARPS * ChunkTile<F>::U / 32)
+    matmul_chains(PLANE_ARGS, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                  const float* __restrict__ xs, float* __restrict__ y, int K, int N, int n_tok,
+                  int accumulate, int stages) {
+    static_assert(NF == 1 || NF == 2, "a tile of 16 tokens: one or two 8-token fragments");
+    pdl_trigger();
+    const Planes P = PLANES;
+    using T = ChunkTile<F>;
+    constexpr int U = T::U, W = 32 / U;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int G = K >> 5, chunks = G / U;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row_base = blockIdx.x * 16, tok_base = blockIdx.y * MMA_TOKENS;
+    unsigned char* const ring = smem + warp * stages * T::BYTES;
+    unsigned char* const ring_end = ring + stages * T::BYTES;
+    int next = warp;  // the next chunk to copy
+    auto issue = [&](unsigned char* tile) {  // a copy group, even if no chunk is left
+        if (next < chunks) T::issue(P, lane, row_base, G, next * U, tile);
+        cp_async_commit();
+        next += W;
+    };
+    for (int s = 0; s < stages; ++s) issue(ring + s * T::BYTES);
+    pdl_wait();  // the first weights are on their way: now the activations may be read
+    float acc[U][NF][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[u][f][e] = 0.f;
+    unsigned char* tile = ring;
+    for (int chunk = warp; chunk < chunks; chunk += W) {
+        cp_async_wait_dyn(stages - 1);
+        __syncwarp();
+        const int c0 = chunk * U;
+        const long long x0 = ((long long)blockIdx.y * G + c0) * 16;
+        mma_chunk<F, NF, U>(tile, row_base, G, c0, xq, xd, xs, x0, acc);
+        __syncwarp();
+        issue(tile);
+        tile = tile + T::BYTES == ring_end ? ring : tile + T::BYTES;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every tile is read: the space holds the chains now
+    float(*partial)[NF * 4][32] = reinterpret_cast<float(*)[NF * 4][32]>(smem);  // [chain]
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) partial[U * warp + u][f * 4 + e][lane] = acc[u][f][e];
+    __syncthreads();
+    const int gq = lane >> 2, t = lane & 3;
+    for (int fe = warp; fe < NF * 4; fe += W) {  // element fe of every lane's results
+        float v[32];
+#pragma unroll
+        for (int c = 0; c < 32; ++c) v[c] = partial[c][fe][lane];
+        // warp_sum's butterfly: chains differing in bit 4 first, then bits 3, 2, 1, 0
+#pragma unroll
+        for (int c = 0; c < 16; ++c) v[c] = v[c] + v[c + 16];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) v[c] = v[c] + v[c + 8];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[c] = v[c] + v[c + 4];
+        v[0] = v[0] + v[2];
+        v[1] = v[1] + v[3];
+        v[0] = v[0] + v[1];
+        const int f = fe >> 2, e = fe & 3;
+        const int row = row_base + gq + 8 * (e >> 1), tok = tok_base + 8 * f + 2 * t + (e & 1);
+        if (row < N && tok < n_tok) {
+            float* out = y + (long long)tok * N + row;
+            *out = accumulate ? *out + v[0] : v[0];
+        }
     }
 }
 

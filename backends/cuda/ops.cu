@@ -247,16 +247,13 @@ __device__ __forceinline__ int ring_row(int first, int j, int ring) {
 // resets the ticket, so the counters are all zero again for the next launch (or replay).
 #define ATTN_MAX_SPLITS 128  // one per thread of the merge (ATTN_THREADS)
 
-__device__ void merge_if_last(const float* part_o, const float2* part_ml, int* tickets,
-                              float* out, int qh, int hd, int splits, int active, int* last,
-                              float* scratch, int h, signed char* xq, float* xd, float* xs,
-                              int tiled) {
+// The merge of a (query, head)'s `active` splits into out (and xq, xd, xs), by the block that
+// finished last; resets the ticket.
+__device__ void merge_splits(const float* part_o, const float2* part_ml, int* tickets,
+                             float* out, int qh, int hd, int splits, int active,
+                             float* scratch, int h, signed char* xq, float* xd, float* xs,
+                             int tiled) {
     __shared__ float weight[ATTN_MAX_SPLITS];
-    __threadfence();  // this block's partial results are visible before its ticket is
-    __syncthreads();
-    if (threadIdx.x == 0) *last = atomicAdd(&tickets[qh], 1) == active - 1;
-    __syncthreads();
-    if (!*last) return;
     __threadfence();
     // every split's (m, l) read at once, then its weight exp(m_s - m) into shared memory
     const long long base = (long long)qh * splits;
@@ -279,119 +276,149 @@ __device__ void merge_if_last(const float* part_o, const float2* part_ml, int* t
     if (threadIdx.x == 0) tickets[qh] = 0;
 }
 
+__device__ void merge_if_last(const float* part_o, const float2* part_ml, int* tickets,
+                              float* out, int qh, int hd, int splits, int active, int* last,
+                              float* scratch, int h, signed char* xq, float* xd, float* xs,
+                              int tiled) {
+    __threadfence();  // this block's partial results are visible before its ticket is
+    __syncthreads();
+    if (threadIdx.x == 0) *last = atomicAdd(&tickets[qh], 1) == active - 1;
+    __syncthreads();
+    if (!*last) return;
+    merge_splits(part_o, part_ml, tickets, out, qh, hd, splits, active, scratch, h, xq, xd, xs,
+                 tiled);
+}
+
 #define ATTN_THREADS 128
 #define ATTN_DEPTH 8  // positions in flight per lane group: their K and V rows load together
+#ifndef ATTN_MIN_BLOCKS
+#define ATTN_MIN_BLOCKS 1  // blocks an SM must hold: caps the registers (backend.py)
+#endif
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
-               const __half* __restrict__ vc, const int* __restrict__ pos,
-               const int* __restrict__ starts, float* __restrict__ part_o,
-               float2* __restrict__ part_ml, int* __restrict__ tickets,
-               float* __restrict__ out, int h, int hk, int hd, int splits, float scale,
-               signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
-               int tiled, int window, float softcap, const int* __restrict__ offsets,
-               int ring) {
-    pdl_start();
-    constexpr int WARPS = ATTN_THREADS / 32;
-    __shared__ float warp_ml[WARPS][2];  // each warp's running max and sum
-    __shared__ float warp_o[WARPS][256];  // and its unnormalised output
-    __shared__ float scratch[32];
-    __shared__ int last;
-    const int head = blockIdx.x, split = blockIdx.y, i = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // gp lanes (a power of two) hold one position's row, 8 dims each: a warp reads 32 / gp
-    // positions per load, and each lane group keeps its own online softmax (a "stream")
-    const int groups = hd >> 3;
-    int gp = 1;
-    while (gp < groups) gp <<= 1;
-    const int per_warp = 32 / gp, dg = lane % gp, sub = lane / gp;
-    const bool dims = dg < groups;
-    const int stride = WARPS * per_warp;  // positions between a stream's consecutive loads
-    // the grid has splits for the whole cache (a graph replays it as the sequence grows);
-    // each active one takes whole rounds of loads, the rest leave at once
-    // window > 0: the query sees only its last `window` positions, lo .. pos[i]
-    const int lo = window > 0 ? max(0, pos[i] - window + 1) : 0;
-    const int len = pos[i] + 1 - lo, round = ATTN_DEPTH * stride;
-    const int share = ((len + splits - 1) / splits + round - 1) / round * round;
-    const int active = (len + share - 1) / share;
-    const int p0 = split * share, p1 = min(p0 + share, len);
-    const long long part = ((long long)i * h + head) * splits + split;
-    if (split >= active) return;
-    const int kvh = head / (h / hk), row = hk * hd;  // row: halves per cache row
-    kc += (long long)starts[i] * row + kvh * hd;
-    vc += (long long)starts[i] * row + kvh * hd;
-    const int first = ring_first(lo, offsets, i, ring);  // the row of position lo
-    const float* qr = q + ((long long)i * h + head) * hd + 8 * dg;
-    float qf[8];
+// A lane's place in a block: gp lanes (a power of two) hold one position's row, 8 dims each
+// (dg), so a warp reads per_warp = 32 / gp positions per load (sub: which), and each lane
+// group keeps its own online softmax (a "stream"); stride: positions between a stream's
+// consecutive loads, round: positions a round of ATTN_DEPTH loads covers.
+struct AttnLane {
+    int gp, per_warp, dg, sub, stride, round;
+    bool dims;
+};
+
+__device__ __forceinline__ AttnLane attn_lane(int hd) {
+    AttnLane a;
+    const int groups = hd >> 3, lane = threadIdx.x & 31;
+    a.gp = 1;
+    while (a.gp < groups) a.gp <<= 1;
+    a.per_warp = 32 / a.gp;
+    a.dg = lane % a.gp;
+    a.sub = lane / a.gp;
+    a.dims = a.dg < groups;
+    a.stride = (ATTN_THREADS / 32) * a.per_warp;
+    a.round = ATTN_DEPTH * a.stride;
+    return a;
+}
+
+// A query's positions lo .. lo + len - 1 and its split's share of them, p0 .. p1 - 1 (every
+// split whole rounds of loads; splits from `active` on have none).
+struct AttnSpan {
+    int lo, len, share, active, p0, p1;
+};
+
+__device__ __forceinline__ AttnSpan attn_span(int pos, int window, int splits, int split,
+                                              int round) {
+    AttnSpan s;
+    s.lo = window > 0 ? max(0, pos - window + 1) : 0;
+    s.len = pos + 1 - s.lo;
+    s.share = ((s.len + splits - 1) / splits + round - 1) / round * round;
+    s.active = (s.len + s.share - 1) / s.share;
+    s.p0 = split * s.share;
+    s.p1 = min(s.p0 + s.share, s.len);
+    return s;
+}
+
+// One round's K and V rows of a stream: positions base + sub + u * stride below p1.
+__device__ __forceinline__ void attn_load(const AttnLane& a, const __half* kc, const __half* vc,
+                                          int base, int p1, int first, int ring, int row,
+                                          uint4 (&kr)[ATTN_DEPTH], uint4 (&vr)[ATTN_DEPTH]) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) qf[e] = dims ? __half2float(__float2half_rn(qr[e])) : 0.f;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    float m = -1e30f, l = 0.f;
-    for (int base = p0 + warp * per_warp; base < p1; base += round) {
-        uint4 kr[ATTN_DEPTH], vr[ATTN_DEPTH];
-#pragma unroll
-        for (int u = 0; u < ATTN_DEPTH; ++u) {
-            const int pp = base + sub + u * stride;
-            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-            if (dims && pp < p1) {
-                const long long at = (long long)ring_row(first, pp, ring) * row;
-                kr[u] = reinterpret_cast<const uint4*>(kc + at)[dg];
-                vr[u] = reinterpret_cast<const uint4*>(vc + at)[dg];
-            }
+    for (int u = 0; u < ATTN_DEPTH; ++u) {
+        const int pp = base + a.sub + u * a.stride;
+        kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+        if (a.dims && pp < p1) {
+            const long long at = (long long)ring_row(first, pp, ring) * row;
+            kr[u] = reinterpret_cast<const uint4*>(kc + at)[a.dg];
+            vr[u] = reinterpret_cast<const uint4*>(vc + at)[a.dg];
         }
-        float sc[ATTN_DEPTH];
-        float m_new = m;
-#pragma unroll
-        for (int u = 0; u < ATTN_DEPTH; ++u) {
-            const __half2* k2 = reinterpret_cast<const __half2*>(&kr[u]);
-            float dot = 0.f;
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const float2 kf = __half22float2(k2[c]);
-                dot += qf[2 * c] * kf.x + qf[2 * c + 1] * kf.y;
-            }
-            for (int o = gp >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-            const bool valid = base + sub + u * stride < p1;
-            const float score = softcap > 0.f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
-            sc[u] = valid ? score : -1e30f;
-            m_new = fmaxf(m_new, sc[u]);
-        }
-        const float rescale = expf(m - m_new);
-        l *= rescale;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] *= rescale;
-#pragma unroll
-        for (int u = 0; u < ATTN_DEPTH; ++u) {
-            const float w = base + sub + u * stride < p1 ? expf(sc[u] - m_new) : 0.f;
-            l += w;
-            const __half2* v2 = reinterpret_cast<const __half2*>(&vr[u]);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const float2 vf = __half22float2(v2[c]);
-                acc[2 * c] += w * vf.x;
-                acc[2 * c + 1] += w * vf.y;
-            }
-        }
-        m = m_new;
     }
-    // the warp's streams merged (lanes gp apart hold the same dims), then the block's warps
+}
+
+// A stream's online softmax over one round's rows (positions below p1 count).
+__device__ __forceinline__ void attn_update(const AttnLane& a, const uint4 (&kr)[ATTN_DEPTH],
+                                            const uint4 (&vr)[ATTN_DEPTH], const float (&qf)[8],
+                                            float (&acc)[8], float& m, float& l, int base,
+                                            int p1, float scale, float softcap) {
+    float sc[ATTN_DEPTH];
+    float m_new = m;
+#pragma unroll
+    for (int u = 0; u < ATTN_DEPTH; ++u) {
+        const __half2* k2 = reinterpret_cast<const __half2*>(&kr[u]);
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float2 kf = __half22float2(k2[c]);
+            dot += qf[2 * c] * kf.x + qf[2 * c + 1] * kf.y;
+        }
+        for (int o = a.gp >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        const bool valid = base + a.sub + u * a.stride < p1;
+        const float score = softcap > 0.f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
+        sc[u] = valid ? score : -1e30f;
+        m_new = fmaxf(m_new, sc[u]);
+    }
+    const float rescale = expf(m - m_new);
+    l *= rescale;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] *= rescale;
+#pragma unroll
+    for (int u = 0; u < ATTN_DEPTH; ++u) {
+        const float w = base + a.sub + u * a.stride < p1 ? expf(sc[u] - m_new) : 0.f;
+        l += w;
+        const __half2* v2 = reinterpret_cast<const __half2*>(&vr[u]);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float2 vf = __half22float2(v2[c]);
+            acc[2 * c] += w * vf.x;
+            acc[2 * c + 1] += w * vf.y;
+        }
+    }
+    m = m_new;
+}
+
+// The warp's streams merged (lanes gp apart hold the same dims), then the block's warps, into
+// the split's partial output part_o [part] and (max, sum) part_ml [part]. Ends on a barrier:
+// warp_ml and warp_o may be reused after.
+__device__ __forceinline__ void attn_partial(const AttnLane& a, float (&acc)[8], float m,
+                                             float l, float (*warp_ml)[2], float (*warp_o)[256],
+                                             float* part_o, float2* part_ml, long long part,
+                                             int hd) {
+    constexpr int WARPS = ATTN_THREADS / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float m_w = m;
-    for (int o = gp; o < 32; o <<= 1) m_w = fmaxf(m_w, __shfl_xor_sync(0xffffffffu, m_w, o));
+    for (int o = a.gp; o < 32; o <<= 1) m_w = fmaxf(m_w, __shfl_xor_sync(0xffffffffu, m_w, o));
     const float w_s = expf(m - m_w);
     l *= w_s;
-    for (int o = gp; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    for (int o = a.gp; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         acc[e] *= w_s;
-        for (int o = gp; o < 32; o <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
+        for (int o = a.gp; o < 32; o <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
     }
     if (lane == 0) {
         warp_ml[warp][0] = m_w;
         warp_ml[warp][1] = l;
     }
-    if (sub == 0 && dims)
+    if (a.sub == 0 && a.dims)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) warp_o[warp][8 * dg + e] = acc[e];
+        for (int e = 0; e < 8; ++e) warp_o[warp][8 * a.dg + e] = acc[e];
     __syncthreads();
     float big = -1e30f;
 #pragma unroll
@@ -408,8 +435,172 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
         for (int w = 0; w < WARPS; ++w) total += warp_ml[w][1] * expf(warp_ml[w][0] - big);
         part_ml[part] = make_float2(big, total);
     }
-    merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, active, &last,
+    __syncthreads();
+}
+
+// Block (head, split, query) covers an equal share of the query's positions 0..pos (of the
+// sequence that starts at cache row starts[query]) in rounds of ATTN_DEPTH positions per lane
+// group, with an online softmax, and writes its unnormalised output o [hd], running max m and
+// sum l. hd: a multiple of 8, at most 256. The last of a (query, head)'s split blocks to
+// finish merges all splits (flash-decoding) into out [n, h * hd] (and, given xq, its
+// Q8_0/Q8_1 quantization for the output projection, as quantize_rows would write it) and
+// resets the ticket, so the counters are all zero again for the next launch (or replay).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
+    attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
+               const __half* __restrict__ vc, const int* __restrict__ pos,
+               const int* __restrict__ starts, float* __restrict__ part_o,
+               float2* __restrict__ part_ml, int* __restrict__ tickets,
+               float* __restrict__ out, int h, int hk, int hd, int splits, float scale,
+               signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
+               int tiled, int window, float softcap, const int* __restrict__ offsets,
+               int ring) {
+    pdl_start();
+    constexpr int WARPS = ATTN_THREADS / 32;
+    __shared__ float warp_ml[WARPS][2];  // each warp's running max and sum
+    __shared__ float warp_o[WARPS][256];  // and its unnormalised output
+    __shared__ float scratch[32];
+    __shared__ int last;
+    const int head = blockIdx.x, split = blockIdx.y, i = blockIdx.z;
+    const int warp = threadIdx.x >> 5;
+    const AttnLane a = attn_lane(hd);
+    // the grid has splits for the whole cache (a graph replays it as the sequence grows);
+    // each active one takes whole rounds of loads, the rest leave at once
+    // window > 0: the query sees only its last `window` positions, lo .. pos[i]
+    const AttnSpan sp = attn_span(pos[i], window, splits, split, a.round);
+    const long long part = ((long long)i * h + head) * splits + split;
+    if (split >= sp.active) return;
+    const int kvh = head / (h / hk), row = hk * hd;  // row: halves per cache row
+    kc += (long long)starts[i] * row + kvh * hd;
+    vc += (long long)starts[i] * row + kvh * hd;
+    const int first = ring_first(sp.lo, offsets, i, ring);  // the row of position lo
+    const float* qr = q + ((long long)i * h + head) * hd + 8 * a.dg;
+    float qf[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qf[e] = a.dims ? __half2float(__float2half_rn(qr[e])) : 0.f;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float m = -1e30f, l = 0.f;
+    for (int base = sp.p0 + warp * a.per_warp; base < sp.p1; base += a.round) {
+        uint4 kr[ATTN_DEPTH], vr[ATTN_DEPTH];
+        attn_load(a, kc, vc, base, sp.p1, first, ring, row, kr, vr);
+        attn_update(a, kr, vr, qf, acc, m, l, base, sp.p1, scale, softcap);
+    }
+    attn_partial(a, acc, m, l, warp_ml, warp_o, part_o, part_ml, part, hd);
+    merge_if_last(part_o, part_ml, tickets, out, i * h + head, hd, splits, sp.active, &last,
                   scratch, h, xq, xd, xs, tiled);
+}
+
+// ---- attention for a few queries a block (speculation's checking passes) ------------------
+// attn_split's work for the queries i0 .. i0 + group - 1 of the pass in one block (head,
+// split, query group): each query's arithmetic is attn_split's, term for term (the same
+// streams, rounds, merges and splits), so each gets the bits it would get alone, but queries
+// of one sequence that split its positions alike (a run: the same first cache row, window
+// start, share and ring offset; consecutive) read each round's K and V rows once for all of
+// them. Each lane's streams of the run's queries wait in dynamic shared memory between
+// rounds (st [group][10][ATTN_THREADS]: acc, m, l), their fp16-rounded q rows beside them
+// (qs [group][hd]); the block's tickets are taken together at the end. group: at most
+// ATTN_GROUP_N.
+#define ATTN_GROUP_N 16
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
+    attn_group(const float* __restrict__ q, const __half* __restrict__ kc,
+               const __half* __restrict__ vc, const int* __restrict__ pos,
+               const int* __restrict__ starts, float* __restrict__ part_o,
+               float2* __restrict__ part_ml, int* __restrict__ tickets,
+               float* __restrict__ out, int h, int hk, int hd, int splits, float scale,
+               signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
+               int tiled, int window, float softcap, const int* __restrict__ offsets,
+               int ring, int n, int group) {
+    pdl_start();
+    constexpr int WARPS = ATTN_THREADS / 32;
+    __shared__ float warp_ml[WARPS][2];
+    __shared__ float warp_o[WARPS][256];
+    __shared__ float scratch[32];
+    __shared__ int key[ATTN_GROUP_N][4];  // each query's run key: start, lo, share, first
+    __shared__ int last[ATTN_GROUP_N];
+    extern __shared__ __align__(16) float st[];
+    const int head = blockIdx.x, split = blockIdx.y, i0 = blockIdx.z * group;
+    const int ng = min(group, n - i0), tid = threadIdx.x, warp = tid >> 5;
+    const AttnLane a = attn_lane(hd);
+    const int kvh = head / (h / hk), row = hk * hd;
+    float* const qs = st + group * 10 * ATTN_THREADS;
+    if (tid < ng) {
+        const int i = i0 + tid;
+        const AttnSpan s = attn_span(pos[i], window, splits, split, a.round);
+        key[tid][0] = starts[i];
+        key[tid][1] = s.lo;
+        key[tid][2] = s.share;
+        key[tid][3] = ring_first(s.lo, offsets, i, ring);
+    }
+    for (int x = tid; x < ng * hd; x += ATTN_THREADS) {
+        const int j = x / hd, d = x - j * hd;
+        qs[x] = __half2float(__float2half_rn(q[((long long)(i0 + j) * h + head) * hd + d]));
+    }
+    auto state = [&](int j, int k) -> float& { return st[(j * 10 + k) * ATTN_THREADS + tid]; };
+    for (int j = 0; j < ng; ++j) {  // a thread's own slots: no barrier needed for them
+#pragma unroll
+        for (int e = 0; e < 8; ++e) state(j, e) = 0.f;
+        state(j, 8) = -1e30f;
+        state(j, 9) = 0.f;
+    }
+    __syncthreads();  // key, qs
+    for (int r0 = 0; r0 < ng;) {  // (the same for the whole block)
+        int r1 = r0 + 1;  // the run: queries r0 .. r1 - 1
+        while (r1 < ng && key[r1][0] == key[r0][0] && key[r1][1] == key[r0][1] &&
+               key[r1][2] == key[r0][2] && key[r1][3] == key[r0][3])
+            ++r1;
+        const int lo = key[r0][1], share = key[r0][2], first = key[r0][3];
+        const int p0 = split * share;
+        int top = p0;  // rows below top: any of the run's
+        for (int j = r0; j < r1; ++j) top = max(top, min(p0 + share, pos[i0 + j] + 1 - lo));
+        const __half* kb = kc + (long long)key[r0][0] * row + kvh * hd;
+        const __half* vb = vc + (long long)key[r0][0] * row + kvh * hd;
+        for (int base = p0 + warp * a.per_warp; base < top; base += a.round) {
+            uint4 kr[ATTN_DEPTH], vr[ATTN_DEPTH];
+            attn_load(a, kb, vb, base, top, first, ring, row, kr, vr);
+            for (int j = r0; j < r1; ++j) {
+                const int p1 = min(p0 + share, pos[i0 + j] + 1 - lo);
+                if (base >= p1) continue;  // past this query's rows: attn_split stops there
+                float qf[8], acc[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    qf[e] = a.dims ? qs[j * hd + min(8 * a.dg + e, hd - 1)] : 0.f;
+                    acc[e] = state(j, e);
+                }
+                float m = state(j, 8), l = state(j, 9);
+                attn_update(a, kr, vr, qf, acc, m, l, base, p1, scale, softcap);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) state(j, e) = acc[e];
+                state(j, 8) = m;
+                state(j, 9) = l;
+            }
+        }
+        for (int j = r0; j < r1; ++j) {
+            if (p0 >= pos[i0 + j] + 1 - lo) continue;  // no rows in this split
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = state(j, e);
+            const long long part = ((long long)(i0 + j) * h + head) * splits + split;
+            attn_partial(a, acc, state(j, 8), state(j, 9), warp_ml, warp_o, part_o, part_ml,
+                         part, hd);
+        }
+        r0 = r1;
+    }
+    __threadfence();  // the block's partial results are visible before its tickets are
+    __syncthreads();
+    if (tid < ng) {
+        const int i = i0 + tid;
+        const AttnSpan s = attn_span(pos[i], window, splits, split, a.round);
+        last[tid] = split < s.active && atomicAdd(&tickets[i * h + head], 1) == s.active - 1;
+    }
+    __syncthreads();
+    for (int j = 0; j < ng; ++j) {
+        if (!last[j]) continue;  // (the same for the whole block)
+        const int i = i0 + j;
+        const AttnSpan s = attn_span(pos[i], window, splits, split, a.round);
+        merge_splits(part_o, part_ml, tickets, out, i * h + head, hd, splits, s.active, scratch,
+                     h, xq, xd, xs, tiled);
+        __syncthreads();  // weight[] and scratch are free for the next query's merge
+    }
 }
 
 
