@@ -48,6 +48,9 @@ class BlockSpec:
 
     layers: tuple[LayerAttention, ...]  # one per block
     attn_scale: float  # multiplies q . k
+    # attn_scale multiplies q (float32, after RoPE) before attention rounds it to fp16, not
+    # the scores: llama.cpp's graph for gemma2 and gemma3 (ggml_scale on Q, kq_scale 1)
+    scale_q: bool = False
     activation: str = SILU  # of the FFN gate
     qk_norm: bool = False  # RMSNorm of every Q and K head ([hd] weights) before RoPE
     post_norms: bool = False  # RMSNorm of the attention and FFN outputs before their add

@@ -7,6 +7,9 @@ queries are rounded to fp16 before the dot products with keys.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import numpy as np
 
 from fastrun.backends import block
@@ -80,17 +83,33 @@ def quantize_activation(x: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def rope_angles(positions: np.ndarray, rope: RopeConfig) -> np.ndarray:
-    """theta [n, n_dims/2] as llama.cpp computes it: pos * base^(-2i/n_dims), in float32."""
+    """theta [n, n_dims/2] as llama.cpp computes it: pos times base^(-2/n_dims), i times for
+    pair i, each product rounded to float32 (its cache's recurrence), divided by the pair's
+    frequency factor and times freq_scale."""
     half = rope.n_dims // 2
     theta_scale = np.float32(rope.freq_base) ** np.float32(-2.0 / rope.n_dims)
-    # llama.cpp multiplies theta by theta_scale once per pair, in float32
-    powers = np.ones(half, np.float32)
+    theta = np.empty((len(positions), half), np.float32)
+    theta[:, 0] = np.asarray(positions, np.float32)
     for i in range(1, half):
-        powers[i] = powers[i - 1] * theta_scale
-    theta = positions.astype(np.float32)[:, None] * powers[None, :]
+        theta[:, i] = theta[:, i - 1] * theta_scale
     if rope.freq_factors is not None:
         theta = theta / rope.freq_factors.astype(np.float32)[None, :]
-    return (theta * np.float32(rope.freq_scale)).astype(np.float32)
+    return (np.float32(rope.freq_scale) * theta).astype(np.float32)
+
+
+def _libm_f32(name: str):
+    """The C library's float32 function `name` over an array, as ggml calls it (cosf, sinf:
+    not always correctly rounded, so their own values); float64 rounded once without one."""
+    path = ctypes.util.find_library("m")
+    fn = getattr(ctypes.CDLL(path), name, None) if path else None
+    if fn is None:
+        return lambda x: getattr(np, name[:-1])(np.asarray(x, np.float64)).astype(np.float32)
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    each = np.frompyfunc(fn, 1, 1)
+    return lambda x: each(np.asarray(x, np.float32)).astype(np.float32)
+
+
+libm_cosf, libm_sinf = _libm_f32("cosf"), _libm_f32("sinf")
 
 
 class RefWeight(Weight):
@@ -174,16 +193,16 @@ class ReferenceBackend(Backend):
 
     def rope(self, x, positions, rope):
         theta = rope_angles(np.asarray(positions), rope)  # [n, half]
-        cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+        cos, sin = libm_cosf(theta)[:, None, :], libm_sinf(theta)[:, None, :]
         half = rope.n_dims // 2
         if rope.neox:
-            a, b = x[:, :, :half].copy(), x[:, :, half : rope.n_dims].copy()
-            x[:, :, :half] = a * cos - b * sin
-            x[:, :, half : rope.n_dims] = a * sin + b * cos
+            first, second = slice(0, half), slice(half, rope.n_dims)
         else:
-            a, b = x[:, :, 0 : rope.n_dims : 2].copy(), x[:, :, 1 : rope.n_dims : 2].copy()
-            x[:, :, 0 : rope.n_dims : 2] = a * cos - b * sin
-            x[:, :, 1 : rope.n_dims : 2] = a * sin + b * cos
+            first, second = slice(0, rope.n_dims, 2), slice(1, rope.n_dims, 2)
+        a, b = x[:, :, first].copy(), x[:, :, second].copy()
+        # each one fused multiply-add, a's product fused, as GCC compiles ggml's rotation
+        x[:, :, first] = fma32(a, cos, -(b * sin))
+        x[:, :, second] = fma32(a, sin, b * cos)
         return x
 
     def silu_mul(self, gate, up):

@@ -80,8 +80,8 @@ def main() -> None:
         finally:
             backend.attention = real
 
-    def record_block(x, layer):
-        out = ffn_block(x, layer)
+    def record_block(x, layer, *rest):
+        out = ffn_block(x, layer, *rest)
         block_out.append(np.array(out, np.float32))
         return out
 

@@ -63,6 +63,11 @@ def main() -> None:
     ap.add_argument("--tensors", default="apache", help="teacher text whose tensors to dump")
     ap.add_argument("--tokens", type=int, default=16, help="its first tokens, one batch")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--products-fixture", metavar="NPZ",
+        help="also write PRODUCTS' inputs and outputs (first 4 tokens) for the tests",
+    )  # fmt: skip
+    ap.add_argument("--products", default="gemma3", help="the PRODUCTS of this model: its prefix")
     args = ap.parse_args()
     import llama_cpp as L  # the sdist's bindings, over LLAMA_CPP_LIB_PATH's libllama
 
@@ -121,6 +126,34 @@ def main() -> None:
     result.update({f"tensor.{k}": v for k, v in tensors.items()})
     np.savez(args.out, tensors_text=args.tensors, tensors_tokens=args.tokens, **result)
     print(f"{len(tensors)} tensors of {args.tensors}'s first {args.tokens} tokens -> {args.out}")
+    if args.products_fixture:
+        fixture = {}
+        chosen = {k: v for k, v in PRODUCTS.items() if k.startswith(args.products + ".")}
+        for key, (source, layer, weight, out) in chosen.items():
+            name = key.split(".", 1)[1]
+            fixture[f"{name}.x"] = tensors[source.format(layer)][:FIXTURE_TOKENS]
+            fixture[f"{name}.y"] = tensors[out.format(layer)][:FIXTURE_TOKENS]
+            fixture[f"{name}.weight"] = f"blk.{layer}.{weight}.weight" if weight else ""
+        np.savez_compressed(args.products_fixture, **fixture)
+        print(f"{len(chosen)} products' inputs and outputs -> {args.products_fixture}")
+
+
+# The tests' products (tests/test_llamacpp_numerics.py), by model: a product of each weight
+# format the model has and its RoPE: the input tensor, layer, weight (none: RoPE) and output
+# tensor (names with the layer's place). The tokens were one batch of 16 (llama.cpp's
+# prefill kernels: tinyBLAS, the repacked Q4_K, the tiled Q6_K); each token's result is its
+# own, so 4 are kept.
+FIXTURE_TOKENS = 4
+PRODUCTS = {
+    "gemma3.q5_0": ("attn_norm-{}", 0, "attn_q", "Qcur-{}"),
+    "gemma3.q8_0": ("attn_norm-{}", 0, "attn_v", "Vcur-{}"),
+    "gemma3.q6_k": ("ffn_geglu-{}", 0, "ffn_down", "ffn_out-{}"),
+    "gemma3.q4_k": ("ffn_geglu-{}", 2, "ffn_down", "ffn_out-{}"),
+    "gemma3.rope_local": ("Qcur_normed-{}", 1, "", "Qcur-{}#3"),
+    "gemma3.rope_global": ("Qcur_normed-{}", 5, "", "Qcur-{}#3"),
+    "smollm2.q4_1": ("attn_norm-{}", 0, "attn_q", "Qcur-{}"),
+    "smollm2.rope_pairs": ("Qcur-{}#2", 0, "", "Qcur-{}#3"),
+}
 
 
 if __name__ == "__main__":

@@ -77,3 +77,60 @@ def test_one_token_at_a_time_is_the_same():
         for t in range(q.shape[0])
     ]
     assert same_bits(np.stack(rows), FIXTURE["kqv_out"])
+
+
+# Products and RoPE, from llama.cpp's graph on Gemma-3-270M Q4_K_M and SmolLM2-135M Q4_1
+# (scripts/llamacpp_dump.py --products-fixture: jsondec's first 16 tokens in one batch, 4
+# kept): the inputs it took and the outputs it gave, for a weight of each format the models
+# have (its tinyBLAS Q5_0 and Q8_0, vec_dot Q4_1, repacked Q4_K, tiled Q6_K) and for RoPE
+# (Gemma's halves at both bases, SmolLM2's pairs).
+def _products(model):
+    return np.load(Path(__file__).parent / "fixtures" / "llamacpp" / f"{model}_products.npz")
+
+
+PRODUCTS = {"gemma3": _products("gemma3"), "smollm2": _products("smollm2")}
+MODELS = {"gemma3": "gemma3-270m", "smollm2": "smollm2-135m-instruct"}
+ROPES = {  # fixture: (base, neox)
+    ("gemma3", "rope_local"): (10_000.0, True),
+    ("gemma3", "rope_global"): (1e6, True),
+    ("smollm2", "rope_pairs"): (100_000.0, False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def gguf(request):
+    from helpers import real_model
+
+    from fastrun.formats.gguf import GGUFFile
+
+    return request.param, GGUFFile(real_model(MODELS[request.param]))
+
+
+def test_products_are_llamacpps_bit_for_bit(gguf):
+    model, f = gguf
+    fixture = PRODUCTS[model]
+    names = [k[: -len(".weight")] for k in fixture.files if k.endswith(".weight")]
+    products = [n for n in names if str(fixture[f"{n}.weight"])]
+    assert products
+    backend = get_backend("cpu")
+    for product in products:
+        info = f.tensor(str(fixture[f"{product}.weight"]))
+        assert info.format.name == product.upper()
+        n_out, n_in = info.matrix_shape
+        w = backend.load_weight(f.tensor_bytes(info.name), info.format.name, n_out, n_in)
+        x, y = fixture[f"{product}.x"], fixture[f"{product}.y"]
+        assert same_bits(backend.matmul(x, w), y), product
+        # one token alone too: the order does not depend on the batch
+        assert same_bits(backend.matmul(x[1:2], w)[0], y[1]), product
+
+
+@pytest.mark.parametrize(("model", "rope"), sorted(ROPES))
+@pytest.mark.parametrize("implementation", ["cpu", "reference"])
+def test_rope_is_llamacpps_bit_for_bit(implementation, model, rope):
+    from fastrun.backends.base import RopeConfig
+
+    base, neox = ROPES[model, rope]
+    x = np.array(PRODUCTS[model][f"{rope}.x"], np.float32)  # [tokens, heads, hd]
+    config = RopeConfig(n_dims=x.shape[2], freq_base=base, neox=neox)
+    got = get_backend(implementation).rope(x, np.arange(x.shape[0], dtype=np.int32), config)
+    assert same_bits(got, PRODUCTS[model][f"{rope}.y"])

@@ -22,7 +22,9 @@ drop_stale_cache(
     "matmul", ("simd.py", "tiles.py", "activations.py", "../llamacpp_numerics.py")
 )  # code it inlines
 
-_JIT = dict(nogil=True, cache=True, fastmath=True, boundscheck=False, error_model="numpy")
+# fastmath off: Numba's fast-math pass flags every float instruction of the module, the
+# tiles' own IR too, and LLVM then reassociates the sums llama.cpp's order fixes (tiles.py)
+_JIT = dict(nogil=True, cache=True, fastmath=False, boundscheck=False, error_model="numpy")
 # The overloads below do no arithmetic: compiled with the options of the kernels that inline
 # them (stack.py, fused.py), the Numba functions they call (np.empty ...) are compiled once
 # for both, not once per set of options.

@@ -70,30 +70,33 @@ def rms_norm(x, weight, eps, out):
 
 @nb.njit(**_JIT)
 def rope(x, positions, n_dims, freq_base, freq_scale, neox, freq_factors):
-    """Rotate x [n, heads, hd] in place; theta = pos * base^(-2i/n_dims) as llama.cpp's float32
-    recurrence computes it; freq_factors [n_dims/2] divides theta when non-empty."""
+    """Rotate x [n, heads, hd] in place as llama.cpp does, bit for bit: theta of pair i is pos
+    times base^(-2/n_dims), i times, each product rounded to float32 (its cache recurrence),
+    divided by freq_factors[i] when given and times freq_scale; cos and sin from libm; each
+    rotated value one fused multiply-add, x0's product fused (GCC contracts ggml's
+    `x0*cos - x1*sin` and `x0*sin + x1*cos` so)."""
     n, heads, _ = x.shape
     half = n_dims // 2
     theta_scale = np.float32(freq_base) ** np.float32(-2.0 / n_dims)
     for t in range(n):
         cos = np.empty(half, np.float32)
         sin = np.empty(half, np.float32)
-        power = np.float32(1)
+        theta_base = np.float32(positions[t])
         for i in range(half):
-            theta = np.float32(positions[t]) * power
+            theta = theta_base
             if freq_factors.size:
                 theta = theta / freq_factors[i]
-            theta = theta * np.float32(freq_scale)
+            theta = np.float32(freq_scale) * theta
             cos[i] = math.cos(theta)
             sin[i] = math.sin(theta)
-            power = power * theta_scale
+            theta_base = theta_base * theta_scale
         for h in range(heads):
             for i in range(half):
                 a_at, b_at = (i, i + half) if neox else (2 * i, 2 * i + 1)
                 a = x[t, h, a_at]
                 b = x[t, h, b_at]
-                x[t, h, a_at] = a * cos[i] - b * sin[i]
-                x[t, h, b_at] = a * sin[i] + b * cos[i]
+                x[t, h, a_at] = fma32(a, cos[i], -(b * sin[i]))
+                x[t, h, b_at] = fma32(a, sin[i], b * cos[i])
 
 
 @nb.njit(**_JIT)

@@ -36,6 +36,8 @@ HAS_AVX2 = "+avx2" in _FEATURES and not os.environ.get("FASTRUN_PORTABLE")
 # (with VL) or AVX-VNNI's, its VEX form on laptops without AVX-512 (Alder Lake and later,
 # Zen 5), which LLVM selects for the same intrinsic
 HAS_VNNI = HAS_AVX2 and ({"+avx512vnni", "+avx512vl"} <= _FEATURES or "+avxvnni" in _FEATURES)
+# 32 vector registers (16 below AVX-512): how many accumulators a tile product keeps live
+HAS_AVX512 = HAS_AVX2 and "+avx512f" in _FEATURES
 
 
 def vec(t, n):

@@ -64,7 +64,7 @@ def run_blocks(
     formats, x, file, where, kernels, block_sizes, q8k, norms, bq, bk, bv, head_norms, post_norms,
     positions, placement, k_cache, v_cache, slots, starts, ring_k, ring_v, ring_slots,
     ring_starts, offsets, ring, eps, rope_dims, rope_neox, rope_bases, rope_scales, factors,
-    windows, scale, softcap, gelu,
+    windows, q_scale, scale, softcap, gelu,
 ):  # fmt: skip
     """x [n, d] through every block, in place; returns x.
 
@@ -79,7 +79,8 @@ def run_blocks(
     ring, index in its storage); k_cache, v_cache [full layers, rows, hk, hd] with their
     slots and starts; ring_k, ring_v [ring layers, rows, hk, hd] with theirs, the
     sequences' ring offsets and R (runner/kv_cache.py: 0, no ring layers); per layer
-    the RoPE base and scale and the attention window (0: none), float64/int64 [L]; softcap:
+    the RoPE base and scale and the attention window (0: none), float64/int64 [L]; q_scale
+    multiplies q before attention (1: no product), scale the scores; softcap:
     of the attention scores (0: none); gelu: True for GELU gating, None for SiLU
     (backends/block.py; None or not is part of the compiled signature)."""
     n = x.shape[0]
@@ -107,6 +108,8 @@ def run_blocks(
         biases = (bq[layer], bk[layer], bv[layer])
         rope_config = (rope_dims, rope_bases[layer], rope_scales[layer], rope_neox)
         q3 = rope_kv(q, k, v, biases, kc, vc, positions, to, rope_config, factors)
+        if q_scale != 1:
+            q3 *= q_scale
         attn = np.empty(q3.shape, np.float32)
         window = windows[layer]
         ops.attention(q3, kc, vc, positions, first, scale, window, softcap, rows, shifted, attn)
@@ -224,7 +227,8 @@ class CompiledBlocks:
         factors = np.zeros(0) if ropes[0].freq_factors is None else ropes[0].freq_factors
         self.factors = np.ascontiguousarray(factors, np.float32)
         self.windows = np.array([spec.window for spec in block.layers], np.int64)
-        self.scale = np.float32(block.attn_scale)
+        self.q_scale = np.float32(block.attn_scale if block.scale_q else 1.0)
+        self.scale = np.float32(1.0 if block.scale_q else block.attn_scale)
         self.softcap = np.float32(block.attn_softcap)
         self.gelu = True if block.activation == GELU_TANH else None
 
@@ -240,5 +244,6 @@ class CompiledBlocks:
             self.post_norms, ints(positions), placement, k_cache, v_cache, ints(slots),
             ints(starts), ring_k, ring_v, ints(ring_slots), ints(ring_starts), ints(offsets),
             np.int64(rows), self.eps, self.rope_dims, self.rope_neox, self.rope_bases,
-            self.rope_scales, self.factors, self.windows, self.scale, self.softcap, self.gelu,
+            self.rope_scales, self.factors, self.windows, self.q_scale, self.scale, self.softcap,
+            self.gelu,
         )  # fmt: skip

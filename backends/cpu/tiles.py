@@ -39,6 +39,7 @@ from numba.extending import (
 )
 
 from fastrun.backends.cpu.simd import (
+    HAS_AVX512,
     HAS_VNNI,
     I8,
     I16,
@@ -214,55 +215,66 @@ def _nibble_groups(builder, tile, qs_at, fifth_bits_at=None):
     return lows + highs
 
 
-def _b32_block(offset=0, has_min=False, fifth_bit=False):
-    """Q4_0 (offset 8), Q4_1 (min), Q5_0 (fifth bit, offset 16): d[8], then m[8] or the
-    fifth bits (32 bytes), then 4 groups of 32 packed bytes."""
-    qs_at = 16 + (16 if has_min else 0) + (32 if fifth_bit else 0)
+def _q4_0_block(builder, tile, base, b, toks, accs):
+    """Q4_0: d[8], then 4 groups of 32 packed bytes; values stored as q + 8."""
+    d = _f16x8(builder, tile, base)
+    weights = _nibble_groups(builder, tile, _at(builder, base, 16))
+    x0 = builder.mul(b, _c64(32))
+    x_at = [_at(builder, x0, 4 * g) for g in range(8)]  # low nibbles 0..15, high 16..31
+    totals = _sum_groups(builder, toks, weights.__getitem__, x_at, 8)
+    out = []
+    for k, tok in enumerate(toks):
+        # stored as q + 8: subtract 8 * (the activations' sum)
+        total = builder.sub(totals[k], _times_sum(builder, tok, b, 8))
+        scale = builder.fmul(d, tok.scale(builder, b))
+        out.append((_fma(builder, builder.sitofp(total, _V8F), scale, accs[k][0]),))
+    return out
+
+
+def _lanes_block(name: str):
+    """Q5_0 (d[8], its fifth bits regrouped (32 bytes), then 4 groups of 32 packed bytes),
+    Q8_0 (d[8], then 8 groups of 32 signed bytes) and Q4_1 (d[8], m[8], then 4 groups of
+    32 packed bytes) in the float order
+    of llama.cpp's x86 kernels for them (tinyBLAS and vec_dot): per output, eight
+    accumulators, one per group of 4 values in the block (lane g of its 32-byte dot), each
+    taking one fused multiply-add per block; _lane_sum adds them at the end. Q4_1's min
+    terms go to a ninth (one fused multiply-add per block), added after the lanes."""
 
     def block(builder, tile, base, b, toks, accs):
         d = _f16x8(builder, tile, base)
-        m = _f16x8(builder, tile, _at(builder, base, 16)) if has_min else None
-        weights = _nibble_groups(
-            builder, tile, _at(builder, base, qs_at), _at(builder, base, 16) if fifth_bit else None
-        )
+        signed = name != "Q4_1"
+        if name == "Q5_0":  # stored as q + 16: signed values, |w| . (x with w's sign)
+            unsigned = _nibble_groups(builder, tile, _at(builder, base, 48), _at(builder, base, 16))
+            weights = [builder.sub(w, splat(I8, 32, 16)) for w in unsigned]
+        elif name == "Q4_1":  # unsigned nibbles, the min apart
+            weights = _nibble_groups(builder, tile, _at(builder, base, 32))
+        else:
+            weights = [
+                _load(builder, tile, _at(builder, base, 16 + 32 * g), vec(I8, 32)) for g in range(8)
+            ]
         x0 = builder.mul(b, _c64(32))
-        x_at = [_at(builder, x0, 4 * g) for g in range(4)] + [
-            _at(builder, x0, 16 + 4 * g) for g in range(4)
-        ]
-        totals = _sum_groups(builder, toks, weights.__getitem__, x_at, 4 if fifth_bit else 8)
-        out = []
-        for k, tok in enumerate(toks):
-            total = totals[k]
-            if offset:  # stored as q + offset: subtract offset * (the activations' sum)
-                total = builder.sub(total, _times_sum(builder, tok, b, offset))
-            acc = _fma(
-                builder, builder.sitofp(total, _V8F), builder.fmul(d, tok.scale(builder, b)),
-                accs[k][0],
-            )  # fmt: skip
-            if has_min:  # Q4_1: + m * s, s the activation block's fp16 scaled sum
+        scales = [builder.fmul(d, tok.scale(builder, b)) for tok in toks]
+        out = [list(a) for a in accs]
+        for g, w in enumerate(weights):  # groups outer: one weight vector live
+            for k, tok in enumerate(toks):
+                x4 = tok.x4(builder, _at(builder, x0, 4 * g))
+                part = block_partials(builder, w, x4, signed)
+                out[k][g] = _fma(builder, builder.sitofp(part, _V8F), scales[k], out[k][g])
+        if name == "Q4_1":  # + m * s, s the activation block's fp16 scaled sum
+            m = _f16x8(builder, tile, _at(builder, base, 16))
+            for k, tok in enumerate(toks):
                 xs = _splat_val(builder, builder.load(builder.gep(tok.xs, [b])))
-                out.append((acc, _fma(builder, m, xs, accs[k][1])))
-            else:
-                out.append((acc,))
-        return out
+                out[k][8] = _fma(builder, m, xs, out[k][8])
+        return [tuple(o) for o in out]
 
     return block
 
 
-def _q8_0_block(builder, tile, base, b, toks, accs):
-    """Q8_0: d[8], then 8 groups of 32 signed bytes (llama.cpp's sign trick per group)."""
-    d = _f16x8(builder, tile, base)
-    weights = [_load(builder, tile, _at(builder, base, 16 + 32 * g), vec(I8, 32)) for g in range(8)]
-    x0 = builder.mul(b, _c64(32))
-    out = []
-    for k, tok in enumerate(toks):
-        total = None
-        for g, w in enumerate(weights):
-            part = block_partials(builder, w, tok.x4(builder, _at(builder, x0, 4 * g)), True)
-            total = part if total is None else builder.add(total, part)
-        scale = builder.fmul(d, tok.scale(builder, b))
-        out.append((_fma(builder, builder.sitofp(total, _V8F), scale, accs[k][0]),))
-    return out
+def _lane_sum(builder, accs):
+    """The eight lane accumulators' sum in the tree of llama.cpp's hsum_float_8 (halves,
+    then lanes 0 + 2 and 1 + 3, then those two): ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
+    half = [builder.fadd(accs[i], accs[i + 4]) for i in range(4)]
+    return builder.fadd(builder.fadd(half[0], half[2]), builder.fadd(half[1], half[3]))
 
 
 # -- K-quant super-blocks of 256 values (activation Q8_K) ---------------------------------------
@@ -293,23 +305,31 @@ def _scaled_sums(builder, tile, at, n_words, sums, signed):
     return total
 
 
-def _k45_block(fifth_bit: bool):
+def _k45_block(fifth_bit: bool, per_pair: bool = False):
     """Q4_K, Q5_K: d[8], dmin[8], scales and mins (each [4 pairs][8 rows][2]), Q5_K's fifth
     bits (8 groups of 32 bytes: bit j of a byte for sub-block j), then per pair p of
-    sub-blocks 8 groups of 32 bytes: low nibbles sub-block 2p, high 2p + 1."""
+    sub-blocks 8 groups of 32 bytes: low nibbles sub-block 2p, high 2p + 1.
+
+    per_pair: the float order of llama.cpp's repacked x86 Q4_K product (ggml_gemm_q4_K_8x8,
+    what its prefill runs): one fused multiply-add per pair of sub-blocks, for the scaled
+    sums and for the mins alike; else one per super-block."""
     qs_at = 160 + (256 if fifth_bit else 0)
 
     def block(builder, tile, base, b, toks, accs):
         d = _f16x8(builder, tile, base)
         dmin = _f16x8(builder, tile, _at(builder, base, 16))
         x0 = builder.mul(b, _c64(256))
+        xds = [tok.scale(builder, b) for tok in toks]
+        scales_d = [builder.fmul(d, xd) for xd in xds]
+        scales_min = [builder.fmul(dmin, xd) for xd in xds]
+        sums32 = [_sub_block_sums(builder, tok, b, pairs=True) for tok in toks]
 
-        def pair_of_sub_blocks(p, totals):
-            # a loop, not unrolled: in one long block LLVM hoists every unpacked vector and
-            # spills them all
+        def pair_totals(p):
+            """Per token, the pair's int32 sum of scales times sub-block dot products."""
             scales = _widen_bytes(builder, tile, builder.add(base, _c64_mul(builder, p, 16, 32)))
             qs = builder.add(base, _c64_mul(builder, p, 256, qs_at))
             xp = builder.add(x0, _c64_mul(builder, p, 64, 0))
+            totals = [None] * len(toks)
             for half in range(2):  # low nibbles: sub-block 2p, high: 2p + 1
                 sub_block = builder.trunc(_c64_mul(builder, p, 2, half), I16)
 
@@ -331,15 +351,36 @@ def _k45_block(fifth_bit: bool):
                 totals = _add_all(builder, totals, parts)
             return totals
 
+        # a loop over pairs, not unrolled: in one long block LLVM hoists every unpacked
+        # vector and spills them all
+        if per_pair:
+
+            def pair_step(p, carried):
+                mins = _widen_bytes(builder, tile, builder.add(base, _c64_mul(builder, p, 16, 96)))
+                out = []
+                for k, total in enumerate(pair_totals(p)):
+                    word = builder.extract_element(sums32[k], builder.trunc(p, I32))
+                    words = builder.bitcast(_splat_val(builder, word), vec(I16, 16))
+                    acc = _fma(builder, builder.sitofp(total, _V8F), scales_d[k], carried[2 * k])
+                    m = builder.sitofp(widen_pairs(builder, mins, words), _V8F)
+                    out += [acc, _fma(builder, m, scales_min[k], carried[2 * k + 1])]
+                return out
+
+            carried = counted_loop(
+                builder, _c64(0), _c64(4), 1, [v for a in accs for v in a], pair_step
+            )
+            return [(carried[2 * k], carried[2 * k + 1]) for k in range(len(toks))]
+
         zero = ir.Constant(_V8I, [0] * 8)
-        totals = counted_loop(builder, _c64(0), _c64(4), 1, [zero] * len(toks), pair_of_sub_blocks)
+        totals = counted_loop(
+            builder, _c64(0), _c64(4), 1, [zero] * len(toks),
+            lambda p, totals: _add_all(builder, totals, pair_totals(p)),
+        )  # fmt: skip
         out = []
-        for k, tok in enumerate(toks):
-            xd = tok.scale(builder, b)
-            mins = _scaled_sums(builder, tile, _at(builder, base, 96), 4, _sub_block_sums(
-                builder, tok, b, pairs=True), signed=False)  # fmt: skip
-            acc = _fma(builder, builder.sitofp(totals[k], _V8F), builder.fmul(d, xd), accs[k][0])
-            acc_min = _fma(builder, builder.sitofp(mins, _V8F), builder.fmul(dmin, xd), accs[k][1])
+        for k in range(len(toks)):
+            mins = _scaled_sums(builder, tile, _at(builder, base, 96), 4, sums32[k], signed=False)
+            acc = _fma(builder, builder.sitofp(totals[k], _V8F), scales_d[k], accs[k][0])
+            acc_min = _fma(builder, builder.sitofp(mins, _V8F), scales_min[k], accs[k][1])
             out.append((acc, acc_min))
         return out
 
@@ -388,8 +429,11 @@ def _q6_k_block(builder, tile, base, b, toks, accs):
         sums = _sub_block_sums(builder, tok, b, pairs=False)
         offset = _scaled_sums(builder, tile, _at(builder, base, 16), 8, sums, signed=True)
         total = builder.sub(totals[k], builder.shl(offset, splat(I32, 8, 5)))
-        scale = builder.fmul(d, tok.scale(builder, b))
-        out.append((_fma(builder, builder.sitofp(total, _V8F), scale, accs[k][0]),))
+        # as llama.cpp's tiled K-quant product (ggml-cpu/tiled, its prefill of 8+ rows on
+        # AVX-512 VNNI): the super-block's sum times d, then a fused multiply-add with the
+        # activation's scale (GCC contracts its multiply and add)
+        scaled = builder.fmul(builder.sitofp(total, _V8F), d)
+        out.append((_fma(builder, scaled, tok.scale(builder, b), accs[k][0]),))
     return out
 
 
@@ -500,17 +544,25 @@ class TileFormat(NamedTuple):
     block: Callable  # IR of one repacked block times the tokens: new accumulators per token
     derived: Callable | None = None  # (raw [rows, nb, block bytes], name) -> more bytes
     second: str = ""  # a second accumulator per output ("add": Q4_1's min, "sub": Q4_K's)
+    lanes: bool = False  # eight accumulators per output (then the second), _lane_sum's
 
 
+# The tiles add in the order of llama.cpp's x86 prefill kernels for each format (tinyBLAS
+# and vec_dot for Q5_0, Q8_0 and Q4_1, the repacked product for Q4_K, the tiled one for
+# Q6_K), so that their floats are llama.cpp's bit for bit given the same activations
+# (tests/test_llamacpp_numerics.py); Q4_0 and Q5_K sum whole blocks in integers.
 TILE_FORMATS = {
-    "Q4_0": TileFormat(_b32_block(offset=8)),
-    "Q4_1": TileFormat(_b32_block(has_min=True), second="add"),
-    "Q5_0": TileFormat(_b32_block(offset=16, fifth_bit=True), _derived_q5_0),
-    "Q8_0": TileFormat(_q8_0_block),
-    "Q4_K": TileFormat(_k45_block(fifth_bit=False), _derived_k45, "sub"),
+    "Q4_0": TileFormat(_q4_0_block),
+    "Q4_1": TileFormat(_lanes_block("Q4_1"), second="add", lanes=True),
+    "Q5_0": TileFormat(_lanes_block("Q5_0"), _derived_q5_0, lanes=True),
+    "Q8_0": TileFormat(_lanes_block("Q8_0"), lanes=True),
+    "Q4_K": TileFormat(_k45_block(fifth_bit=False, per_pair=True), _derived_k45, "sub"),
     "Q5_K": TileFormat(_k45_block(fifth_bit=True), _derived_k45, "sub"),
     "Q6_K": TileFormat(_q6_k_block),
 }
+# Tokens per pass over a tile for the lane formats: their eight accumulators per token fill
+# the registers (32 with AVX-512, 16 below)
+LANE_TOKENS = 2 if HAS_AVX512 else 1
 _PERMUTATIONS = {name: _permutation(name) for name in TILE_FORMATS}
 
 
@@ -556,8 +608,10 @@ def _tile_product_codegen(name: str, n_tok: int):
     """IR of out[t:t+n_tok, o0:o0+8] = the tile's 8 rows times activation rows t.. (n_tok),
     for arguments (tile, xq, xd, xs, isum, t, n_blocks, out, o0)."""
     spec = TILE_FORMATS[name]
-    block, n_acc = spec.block, 2 if spec.second else 1
+    n_acc = (8 if spec.lanes else 1) + (1 if spec.second else 0)
+    block = spec.block
     block_bytes = tile_block_bytes(name)
+    per_pass = LANE_TOKENS if spec.lanes else n_tok
 
     def codegen(context, builder, arg_types, args):
         tile_p = context.make_array(arg_types[0])(context, builder, args[0]).data
@@ -580,27 +634,35 @@ def _tile_product_codegen(name: str, n_tok: int):
 
         first_pass = builder.icmp_signed("==", t_v, _c64(0))
 
-        def step(bi, carried):
-            accs = [carried[n_acc * k : n_acc * (k + 1)] for k in range(n_tok)]
-            base = builder.mul(bi, _c64(block_bytes))
-            # by the first activation rows' pass over the tile only: a later pass finds the
-            # tile in cache (prefill's many rows)
-            with builder.if_then(first_pass):
-                ahead = builder.add(base, _c64(PREFETCH_BYTES))
-                for line in range(0, block_bytes, 64):
-                    prefetch(builder, builder.gep(tile_p, [builder.add(ahead, _c64(line))]))
-            new = block(builder, tile_p, base, bi, toks, accs)
-            return [v for per_tok in new for v in per_tok]
+        def tile_pass(toks, outs, first):
+            def step(bi, carried):
+                accs = [carried[n_acc * k : n_acc * (k + 1)] for k in range(len(toks))]
+                base = builder.mul(bi, _c64(block_bytes))
+                # by the first activation rows' pass over the tile only: a later pass finds
+                # the tile in cache (prefill's many rows)
+                if first:
+                    with builder.if_then(first_pass):
+                        ahead = builder.add(base, _c64(PREFETCH_BYTES))
+                        for line in range(0, block_bytes, 64):
+                            at = builder.add(ahead, _c64(line))
+                            prefetch(builder, builder.gep(tile_p, [at]))
+                new = block(builder, tile_p, base, bi, toks, accs)
+                return [v for per_tok in new for v in per_tok]
 
-        zero = ir.Constant(_V8F, [0.0] * 8)
-        carried = counted_loop(builder, _c64(0), nb_v, 1, [zero] * (n_acc * n_tok), step)
-        for k in range(n_tok):
-            result = carried[n_acc * k]
-            if spec.second:  # min terms, summed apart as llama.cpp does, at the end
-                combine = builder.fsub if spec.second == "sub" else builder.fadd
-                result = combine(result, carried[n_acc * k + 1])
-            ptr = builder.bitcast(outs[k], _V8F.as_pointer())
-            builder.store(result, ptr, align=4)
+            zero = ir.Constant(_V8F, [0.0] * 8)
+            carried = counted_loop(builder, _c64(0), nb_v, 1, [zero] * (n_acc * len(toks)), step)
+            for k in range(len(toks)):
+                mine = carried[n_acc * k : n_acc * (k + 1)]
+                result = _lane_sum(builder, mine[:8]) if spec.lanes else mine[0]
+                if spec.second:  # min terms, summed apart as llama.cpp does, at the end
+                    combine = builder.fsub if spec.second == "sub" else builder.fadd
+                    result = combine(result, mine[-1])
+                ptr = builder.bitcast(outs[k], _V8F.as_pointer())
+                builder.store(result, ptr, align=4)
+
+        for first in range(0, n_tok, per_pass):
+            chunk = slice(first, first + per_pass)
+            tile_pass(toks[chunk], outs[chunk], first == 0)
 
     return codegen
 

@@ -44,13 +44,15 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
         y[(long long)blockIdx.x * d + i] = (xr[i] * scale) * w[i];
 }
 
-// RoPE angle of pair i at position pos: pos * powers[i] (/ factors[i]) * freq_scale, where
-// powers = base^(-2i/n_dims) was accumulated in float32 on the host as llama.cpp does.
+// RoPE angle of pair i at position pos as llama.cpp's CPU recurrence takes it: pos times
+// base^(-2/n_dims) (powers[1], from the host), i times, each product rounded to float32;
+// then / factors[i] and * freq_scale.
 __device__ __forceinline__ float rope_theta(int pos, int i, const float* powers,
                                             const float* factors, float freq_scale) {
-    float theta = (float)pos * powers[i];
+    float theta = (float)pos;
+    for (int j = 0; j < i; ++j) theta *= powers[1];
     if (factors) theta = theta / factors[i];
-    return theta * freq_scale;
+    return freq_scale * theta;
 }
 
 // The two elements of pair i: (2i, 2i+1) in llama's layout, (i, i + n_dims/2) in NEOX's.

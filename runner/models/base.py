@@ -378,9 +378,12 @@ class Transformer:
         biases = None if layer.bq is None else (layer.bq, layer.bk, layer.bv)
         k_cache, v_cache, slots, starts, ring, offsets = kv
         q = b.attention_inputs(q, k, v, biases, k_cache, v_cache, positions, slots, at.rope)
+        scale = spec.attn_scale
+        if spec.scale_q:
+            q, scale = b.scale(q, scale), 1.0
         attn = b.attention(
-            q, k_cache, v_cache, positions, spec.attn_scale, starts, at.window,
-            spec.attn_softcap, ring, offsets,
+            q, k_cache, v_cache, positions, scale, starts, at.window, spec.attn_softcap, ring,
+            offsets,
         )  # fmt: skip
         if layer.attn_post_norm is None:
             return b.matmul_add(attn, layer.wo, x)

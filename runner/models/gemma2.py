@@ -42,7 +42,7 @@ class Gemma2Config(Gemma3Config):
             super().block(),
             qk_norm=False,
             attn_softcap=self.attn_softcap,
-            attn_scale=1.0 / float(np.sqrt(query_scale)),
+            attn_scale=float(np.float32(1) / np.sqrt(np.float32(query_scale))),
         )
 
 

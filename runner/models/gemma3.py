@@ -58,7 +58,9 @@ class Gemma3Config(TransformerConfig):
     def block(self) -> BlockSpec:
         return BlockSpec(
             layers=self.layer_attention(),
-            attn_scale=1.0 / float(np.sqrt(self.head_dim)),
+            # as llama.cpp's f_attention_scale: a float32 square root and division
+            attn_scale=float(np.float32(1) / np.sqrt(np.float32(self.head_dim))),
+            scale_q=True,
             activation=GELU_TANH,
             qk_norm=True,
             post_norms=True,
