@@ -38,6 +38,8 @@ HAS_AVX2 = "+avx2" in _FEATURES and not os.environ.get("FASTRUN_PORTABLE")
 HAS_VNNI = HAS_AVX2 and ({"+avx512vnni", "+avx512vl"} <= _FEATURES or "+avxvnni" in _FEATURES)
 # 32 vector registers (16 below AVX-512): how many accumulators a tile product keeps live
 HAS_AVX512 = HAS_AVX2 and "+avx512f" in _FEATURES
+# vpdpbusd on 512-bit vectors, with AVX-512BW's byte operations beside it
+HAS_VNNI512 = HAS_AVX512 and {"+avx512vnni", "+avx512bw"} <= _FEATURES
 
 
 def vec(t, n):
@@ -113,6 +115,15 @@ def dot_accumulate(builder, acc, w, x):
     (HAS_VNNI hosts only)."""
     dpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8)] * 3)
     words = [builder.bitcast(v, vec(I32, 8)) for v in (w, x)]
+    return builder.call(dpbusd, [acc, *words])
+
+
+def dot_accumulate_512(builder, acc, w, x):
+    """dot_accumulate on 512-bit vectors: <16 x i32> acc, <64 x i8> w and x (HAS_VNNI512)."""
+    dpbusd = _intrinsic_fn(
+        builder, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16)] * 3
+    )
+    words = [builder.bitcast(v, vec(I32, 16)) for v in (w, x)]
     return builder.call(dpbusd, [acc, *words])
 
 

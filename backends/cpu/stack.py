@@ -22,6 +22,7 @@ from fastrun.backends.cpu import ops, side_compile
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.fused import norm_qmatmul_many, rope_kv
 from fastrun.backends.cpu.matmul import FORMATS, format_set, qmatmul
+from fastrun.backends.cpu.tiles import head_kernel_name
 from fastrun.backends.cpu.weights import kernel_bytes_in_one_buffer, root_array
 
 drop_stale_cache(
@@ -179,17 +180,18 @@ class CompiledBlocks:
     def __init__(self, layers, eps: float, block, source: str | None = None, head=None):
         ws = [getattr(layer, name) for layer in layers for name in MATRICES]
         with_head = ws + ([head] if head is not None and head.qtype in FORMATS else [])
-        # the head's products too compile for the layers' formats and its own: one compile
-        # of the product kernel serves both
-        names = tuple(sorted({w.qtype for w in with_head}))
+        # the head's products too compile for the layers' formats and its own (its tiles
+        # multiplied as head_kernel_name's): one compile of the product kernel serves both
+        has_head = len(with_head) > len(ws)
+        kinds = {w.qtype for w in ws} | ({head_kernel_name(head.qtype)} if has_head else set())
+        names = tuple(sorted(kinds))
         self.formats = format_set(names)
-        if len(with_head) > len(ws):
+        if has_head:
             head.formats = self.formats
+            head.kernel = FORMATS.index(head_kernel_name(head.qtype))
         # a first run: half of the stack's kernels (and the head's product) compile on a
         # second core from here on
-        self._side_compile = side_compile.start(
-            block.activation, names if len(with_head) > len(ws) else ()
-        )
+        self._side_compile = side_compile.start(block.activation, names if has_head else ())
         # repacked (or from the tile cache, source the model file), as one array; the head's
         # tiles after the layers' (the stack does not read them: one cache file for both)
         self.file, self.where = kernel_bytes_in_one_buffer(with_head, source)

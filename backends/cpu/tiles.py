@@ -41,12 +41,14 @@ from numba.extending import (
 from fastrun.backends.cpu.simd import (
     HAS_AVX512,
     HAS_VNNI,
+    HAS_VNNI512,
     I8,
     I16,
     I32,
     block_partials,
     counted_loop,
     dot_accumulate,
+    dot_accumulate_512,
     lanes,
     pair_products,
     prefetch,
@@ -69,6 +71,7 @@ PREFETCH_BYTES = 8192
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
 _V8F = vec(_F32, 8)
+_V16F = vec(_F32, 16)
 _V8I = vec(I32, 8)
 _ONES16 = splat(I16, 16, 1)
 
@@ -112,8 +115,9 @@ def _f16x8(builder, tile, at):
 
 def _fma(builder, a, b, c):
     """a * b + c rounded once: an explicit FMA, so that no compiler choice changes results."""
+    ty = a.type
     fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32"
+        builder.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fma.v{ty.count}f32"
     )
     return builder.call(fn, [a, b, c])
 
@@ -140,6 +144,12 @@ class _Tok:
         """4 activations at offset in every 32-bit lane (a vpbroadcastd load)."""
         word = _load(builder, self.x, offset, I32)
         return builder.bitcast(_splat_val(builder, word), vec(I8, 32))
+
+    def x8(self, builder, offset):
+        """8 activations at offset in every 64-bit lane (a vpbroadcastq load): 32-bit lane
+        2i holds the first 4, lane 2i + 1 the next 4."""
+        word = _load(builder, self.x, offset, _I64)
+        return builder.bitcast(_splat_val(builder, word), vec(I8, 64))
 
     def scale(self, builder, b):
         return _splat_val(builder, builder.load(builder.gep(self.xd, [b])))
@@ -231,6 +241,23 @@ def _q4_0_block(builder, tile, base, b, toks, accs):
     return out
 
 
+def _q8_0_sums_block(builder, tile, base, b, toks, accs):
+    """Q8_0 (as _lanes_block's), its blocks summed whole in int32: one fused multiply-add
+    per block and output, a fraction of the lanes' float work."""
+    d = _f16x8(builder, tile, base)
+    weights = [_load(builder, tile, _at(builder, base, 16 + 32 * g), vec(I8, 32)) for g in range(8)]
+    x0 = builder.mul(b, _c64(32))
+    out = []
+    for k, tok in enumerate(toks):
+        total = None
+        for g, w in enumerate(weights):
+            part = block_partials(builder, w, tok.x4(builder, _at(builder, x0, 4 * g)), True)
+            total = part if total is None else builder.add(total, part)
+        scale = builder.fmul(d, tok.scale(builder, b))
+        out.append((_fma(builder, builder.sitofp(total, _V8F), scale, accs[k][0]),))
+    return out
+
+
 def _lanes_block(name: str):
     """Q5_0 (d[8], its fifth bits regrouped (32 bytes), then 4 groups of 32 packed bytes),
     Q8_0 (d[8], then 8 groups of 32 signed bytes) and Q4_1 (d[8], m[8], then 4 groups of
@@ -255,24 +282,66 @@ def _lanes_block(name: str):
         x0 = builder.mul(b, _c64(32))
         scales = [builder.fmul(d, tok.scale(builder, b)) for tok in toks]
         out = [list(a) for a in accs]
-        for g, w in enumerate(weights):  # groups outer: one weight vector live
-            for k, tok in enumerate(toks):
-                x4 = tok.x4(builder, _at(builder, x0, 4 * g))
-                part = block_partials(builder, w, x4, signed)
-                out[k][g] = _fma(builder, builder.sitofp(part, _V8F), scales[k], out[k][g])
+        if WIDE_LANES:
+            _wide_lanes(builder, weights, signed, toks, x0, scales, out)
+        else:
+            for g, w in enumerate(weights):  # groups outer: one weight vector live
+                for k, tok in enumerate(toks):
+                    x4 = tok.x4(builder, _at(builder, x0, 4 * g))
+                    part = block_partials(builder, w, x4, signed)
+                    out[k][g] = _fma(builder, builder.sitofp(part, _V8F), scales[k], out[k][g])
         if name == "Q4_1":  # + m * s, s the activation block's fp16 scaled sum
             m = _f16x8(builder, tile, _at(builder, base, 16))
             for k, tok in enumerate(toks):
                 xs = _splat_val(builder, builder.load(builder.gep(tok.xs, [b])))
-                out[k][8] = _fma(builder, m, xs, out[k][8])
+                out[k][LANE_ACCS] = _fma(builder, m, xs, out[k][LANE_ACCS])
         return [tuple(o) for o in out]
 
     return block
 
 
+# AVX-512 VNNI hosts take two groups in one 512-bit vector: 32-bit lane 2r + p holds row
+# r's group 2j + p (the two groups' weight vectors interleaved once, shared by the tokens;
+# the activations a 64-bit broadcast), half the instructions of a group at a time. Each
+# lane's sums are the same as a group's alone.
+WIDE_LANES = HAS_VNNI512
+LANE_ACCS = 4 if WIDE_LANES else 8  # accumulators per output: <16 x float> or <8 x float>
+_INTERLEAVE = lanes([4 * (i // 8) + i % 4 + 32 * ((i // 4) % 2) for i in range(64)])
+_PAIR_SCALES = lanes([i // 2 for i in range(16)])
+
+
+def _wide_lanes(builder, weights, signed, toks, x0, scales, out):
+    """_lanes_block's groups two at a time (WIDE_LANES): out[k][j] takes groups 2j, 2j + 1."""
+    zero = splat(I8, 64, 0)
+    scales16 = [builder.shuffle_vector(s, s, _PAIR_SCALES) for s in scales]
+    absf = _intrinsic_fn_v64(builder)
+    for j in range(4):
+        w = builder.shuffle_vector(weights[2 * j], weights[2 * j + 1], _INTERLEAVE)
+        if signed:  # |w| . (x with w's sign): the sign a mask, applied per token
+            negative = builder.icmp_signed("<", w, zero)
+            w = builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)])
+        for k, tok in enumerate(toks):
+            x8 = tok.x8(builder, _at(builder, x0, 8 * j))
+            if signed:
+                x8 = builder.select(negative, builder.sub(zero, x8), x8)
+            part = dot_accumulate_512(builder, splat(I32, 16, 0), w, x8)
+            out[k][j] = _fma(builder, builder.sitofp(part, _V16F), scales16[k], out[k][j])
+
+
+def _intrinsic_fn_v64(builder):
+    ty = vec(I8, 64)
+    fn_ty = ir.FunctionType(ty, [ty, ir.IntType(1)])
+    return cgutils.get_or_insert_function(builder.module, fn_ty, "llvm.abs.v64i8")
+
+
 def _lane_sum(builder, accs):
-    """The eight lane accumulators' sum in the tree of llama.cpp's hsum_float_8 (halves,
-    then lanes 0 + 2 and 1 + 3, then those two): ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
+    """The lane accumulators' sum in the tree of llama.cpp's hsum_float_8 (halves, then
+    lanes 0 + 2 and 1 + 3, then those two): ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), a_g
+    group g's; with WIDE_LANES the same adds, pairs of groups in each vector."""
+    if WIDE_LANES:  # accs[j]: lane 2r + p group 2j + p
+        z = builder.fadd(builder.fadd(accs[0], accs[2]), builder.fadd(accs[1], accs[3]))
+        even = builder.shuffle_vector(z, z, lanes(range(0, 16, 2)))
+        return builder.fadd(even, builder.shuffle_vector(z, z, lanes(range(1, 16, 2))))
     half = [builder.fadd(accs[i], accs[i + 4]) for i in range(4)]
     return builder.fadd(builder.fadd(half[0], half[2]), builder.fadd(half[1], half[3]))
 
@@ -560,9 +629,25 @@ TILE_FORMATS = {
     "Q5_K": TileFormat(_k45_block(fifth_bit=True), _derived_k45, "sub"),
     "Q6_K": TileFormat(_q6_k_block),
 }
-# Tokens per pass over a tile for the lane formats: their eight accumulators per token fill
-# the registers (32 with AVX-512, 16 below)
-LANE_TOKENS = 2 if HAS_AVX512 else 1
+# The output head's products (logits, which no later block reads: llama.cpp's float order
+# there changes no other number) in the faster order of whole-block integer sums, on the
+# same tiles: "FORMAT:head" names, head_kernel_name's.
+HEAD_FORMATS = {"Q8_0:head": TileFormat(_q8_0_sums_block)}
+
+
+def head_kernel_name(qtype: str) -> str:
+    """The tile format an output head of weight type qtype multiplies as."""
+    return f"{qtype}:head" if f"{qtype}:head" in HEAD_FORMATS else qtype
+
+
+def _layout_name(name: str) -> str:
+    """The weight type whose tiles a tile format (TILE_NAMES) multiplies."""
+    return name.split(":")[0]
+
+
+# Tokens per pass over a tile for the lane formats: their accumulators per token (4 of 512
+# bits, or 8 of 256) fill the registers (32 with AVX-512, 16 below)
+LANE_TOKENS = 4 if WIDE_LANES else 2 if HAS_AVX512 else 1
 _PERMUTATIONS = {name: _permutation(name) for name in TILE_FORMATS}
 
 
@@ -607,10 +692,13 @@ def repack(raw: np.ndarray, name: str, out: np.ndarray | None = None) -> np.ndar
 def _tile_product_codegen(name: str, n_tok: int):
     """IR of out[t:t+n_tok, o0:o0+8] = the tile's 8 rows times activation rows t.. (n_tok),
     for arguments (tile, xq, xd, xs, isum, t, n_blocks, out, o0)."""
-    spec = TILE_FORMATS[name]
-    n_acc = (8 if spec.lanes else 1) + (1 if spec.second else 0)
+    spec = TILE_FORMATS.get(name) or HEAD_FORMATS[name]
+    n_acc = (LANE_ACCS if spec.lanes else 1) + (1 if spec.second else 0)
+    acc_types = ([_V16F if WIDE_LANES else _V8F] * LANE_ACCS if spec.lanes else [_V8F]) + (
+        [_V8F] if spec.second else []
+    )
     block = spec.block
-    block_bytes = tile_block_bytes(name)
+    block_bytes = tile_block_bytes(_layout_name(name))
     per_pass = LANE_TOKENS if spec.lanes else n_tok
 
     def codegen(context, builder, arg_types, args):
@@ -649,11 +737,11 @@ def _tile_product_codegen(name: str, n_tok: int):
                 new = block(builder, tile_p, base, bi, toks, accs)
                 return [v for per_tok in new for v in per_tok]
 
-            zero = ir.Constant(_V8F, [0.0] * 8)
-            carried = counted_loop(builder, _c64(0), nb_v, 1, [zero] * (n_acc * len(toks)), step)
+            zeros = [ir.Constant(ty, [0.0] * ty.count) for ty in acc_types] * len(toks)
+            carried = counted_loop(builder, _c64(0), nb_v, 1, zeros, step)
             for k in range(len(toks)):
                 mine = carried[n_acc * k : n_acc * (k + 1)]
-                result = _lane_sum(builder, mine[:8]) if spec.lanes else mine[0]
+                result = _lane_sum(builder, mine[:LANE_ACCS]) if spec.lanes else mine[0]
                 if spec.second:  # min terms, summed apart as llama.cpp does, at the end
                     combine = builder.fsub if spec.second == "sub" else builder.fadd
                     result = combine(result, mine[-1])
@@ -674,7 +762,8 @@ def _tile_product_codegen(name: str, n_tok: int):
 # formats alone. The seven formats' loops in every kernel were a quarter of a cold start's
 # compile time, for models that use one to three of them.
 
-TILE_NAMES = tuple(TILE_FORMATS)  # a format's index: what the kernels' `fmt` arguments hold
+# a format's index: what the kernels' `fmt` arguments hold
+TILE_NAMES = tuple(TILE_FORMATS) + tuple(HEAD_FORMATS)
 
 
 class FormatSet:
@@ -692,7 +781,8 @@ class FormatSet:
     def q8k(self) -> tuple[bool, ...]:
         """For each activation kind the formats pair with, in order (Q8_0/Q8_1, Q8_K):
         whether any of them does."""
-        kinds = {block_format(TILE_NAMES[i]).activation == "Q8_K" for i in self.indices}
+        names = (_layout_name(TILE_NAMES[i]) for i in self.indices)
+        kinds = {block_format(name).activation == "Q8_K" for name in names}
         return (False in kinds, True in kinds)
 
     def __eq__(self, other) -> bool:
