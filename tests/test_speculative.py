@@ -92,7 +92,8 @@ def test_one_loaded_model_switches_drafters_between_requests(tiny_model, draft_m
     for kind in ("lookup", "draft", "lookup+draft", None, "draft"):
         m.speculate(kind)
         assert m.complete(prompt, **settings).tokens == expect, kind
-    assert max(m._draft_model.costs.seen) < len(prompt)  # probes' catch-ups at most
+    # probes' catch-ups at most (none where the measured costs said drafting does not pay)
+    assert max(m._draft_model.costs.seen, default=0) < len(prompt)
     stream = m.generate(prompt, max_tokens=10**6, ignore_eos=True)  # runs until closed
     next(iter(stream))
     with pytest.raises(FastrunError, match="no request runs"):
