@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -52,18 +51,11 @@ VARIANTS = {
 MARKER = "pass_marker"
 
 
-@contextmanager
 def dispatch(settings: dict):
-    import fastrun.backends.cuda.backend as cb
+    """gpu_kernel_check.dispatch of a variant's settings."""
+    from gpu_kernel_check import dispatch as dispatch_settings
 
-    saved = {k: getattr(cb, k) for k in settings}
-    for k, v in settings.items():
-        setattr(cb, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(cb, k, v)
+    return dispatch_settings(**settings)
 
 
 def random_weight(backend, qtype: str, n_out: int, n_in: int):

@@ -56,7 +56,7 @@ def lanes(values):
     return ir.Constant(vec(I32, len(values)), list(values))
 
 
-def _intrinsic_fn(builder, name, ret, args):
+def intrinsic_fn(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
@@ -69,8 +69,8 @@ def block_partials(builder, w, x, signed: bool, scales16=None):
     """
     if HAS_AVX2:
         if signed:
-            signf = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", vec(I8, 32), [vec(I8, 32)] * 2)
-            absf = _intrinsic_fn(
+            signf = intrinsic_fn(builder, "llvm.x86.avx2.psign.b", vec(I8, 32), [vec(I8, 32)] * 2)
+            absf = intrinsic_fn(
                 builder, "llvm.abs.v32i8", vec(I8, 32), [vec(I8, 32), ir.IntType(1)]
             )
             x = builder.call(signf, [x, w])
@@ -101,7 +101,7 @@ def pair_products(builder, w, x):
     w[2i] x[2i] + w[2i+1] x[2i+1] (vpmaddubsw). Callers keep sums within int16, where the
     instruction's saturation never applies and the portable form is exact."""
     if HAS_AVX2:
-        maddubs = _intrinsic_fn(
+        maddubs = intrinsic_fn(
             builder, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [vec(I8, 32)] * 2
         )
         return builder.call(maddubs, [w, x])
@@ -113,16 +113,14 @@ def dot_accumulate(builder, acc, w, x):
     """acc (<8 x i32>) plus, in lane i, the four products w[4i..4i+3] x[4i..4i+3] of
     unsigned weights and signed activations (<32 x i8> each): one vpdpbusd, exact in int32
     (HAS_VNNI hosts only)."""
-    dpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8)] * 3)
+    dpbusd = intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8)] * 3)
     words = [builder.bitcast(v, vec(I32, 8)) for v in (w, x)]
     return builder.call(dpbusd, [acc, *words])
 
 
 def dot_accumulate_512(builder, acc, w, x):
     """dot_accumulate on 512-bit vectors: <16 x i32> acc, <64 x i8> w and x (HAS_VNNI512)."""
-    dpbusd = _intrinsic_fn(
-        builder, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16)] * 3
-    )
+    dpbusd = intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16)] * 3)
     words = [builder.bitcast(v, vec(I32, 16)) for v in (w, x)]
     return builder.call(dpbusd, [acc, *words])
 
@@ -131,7 +129,7 @@ def widen_pairs(builder, p, s):
     """<16 x i16> . <16 x i16> -> <8 x i32>: lane i = p[2i] s[2i] + p[2i+1] s[2i+1]
     (vpmaddwd)."""
     if HAS_AVX2:
-        maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
+        maddwd = intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [vec(I16, 16)] * 2)
         return builder.call(maddwd, [p, s])
     products = builder.mul(builder.sext(p, vec(I32, 16)), builder.sext(s, vec(I32, 16)))
     return _even_plus_odd(builder, products)
@@ -140,7 +138,7 @@ def widen_pairs(builder, p, s):
 def prefetch(builder, ptr):
     """A hint to fetch the cache line at ptr (an i8 pointer) into every level; never faults."""
     i32 = ir.IntType(32)
-    fn = _intrinsic_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr.type, i32, i32, i32])
+    fn = intrinsic_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr.type, i32, i32, i32])
     builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
@@ -204,7 +202,7 @@ def fma32(typingctx, a, b, c):
 
     def codegen(context, builder, sig, args):
         f = ir.FloatType()
-        return builder.call(_intrinsic_fn(builder, "llvm.fma.f32", f, [f] * 3), args)
+        return builder.call(intrinsic_fn(builder, "llvm.fma.f32", f, [f] * 3), args)
 
     return f32(f32, f32, f32), codegen
 
@@ -255,7 +253,7 @@ def dot_lanes(typingctx, q, k_cache, s, kv):
         _, hk, hd = cgutils.unpack_tuple(builder, k_a.shape, 3)
         row = builder.add(builder.mul(args[2], hk), args[3])
         k_p = builder.gep(k_a.data, [builder.mul(row, hd)])
-        fma = _intrinsic_fn(builder, "llvm.fma.v16f32", v16, [v16] * 3)
+        fma = intrinsic_fn(builder, "llvm.fma.v16f32", v16, [v16] * 3)
 
         def block(l, acc):
             q_v, k_v = (
@@ -298,7 +296,7 @@ def _fma_rows(width: int):
         ptrs = [builder.bitcast(builder.gep(out_p, [ir.Constant(i64, LANES * j)]), v16.as_pointer())
                 for j in range(n_vectors)]  # fmt: skip
         init = [builder.load(p, align=4) for p in ptrs]
-        fma = _intrinsic_fn(builder, "llvm.fma.v16f32", v16, [v16] * 3)
+        fma = intrinsic_fn(builder, "llvm.fma.v16f32", v16, [v16] * 3)
 
         def row(r, sums):
             at = builder.mul(r, step_v)

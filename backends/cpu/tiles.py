@@ -49,6 +49,7 @@ from fastrun.backends.cpu.simd import (
     counted_loop,
     dot_accumulate,
     dot_accumulate_512,
+    intrinsic_fn,
     lanes,
     pair_products,
     prefetch,
@@ -314,7 +315,7 @@ def _wide_lanes(builder, weights, signed, toks, x0, scales, out):
     """_lanes_block's groups two at a time (WIDE_LANES): out[k][j] takes groups 2j, 2j + 1."""
     zero = splat(I8, 64, 0)
     scales16 = [builder.shuffle_vector(s, s, _PAIR_SCALES) for s in scales]
-    absf = _intrinsic_fn_v64(builder)
+    absf = intrinsic_fn(builder, "llvm.abs.v64i8", vec(I8, 64), [vec(I8, 64), ir.IntType(1)])
     for j in range(4):
         w = builder.shuffle_vector(weights[2 * j], weights[2 * j + 1], _INTERLEAVE)
         if signed:  # |w| . (x with w's sign): the sign a mask, applied per token
@@ -326,12 +327,6 @@ def _wide_lanes(builder, weights, signed, toks, x0, scales, out):
                 x8 = builder.select(negative, builder.sub(zero, x8), x8)
             part = dot_accumulate_512(builder, splat(I32, 16, 0), w, x8)
             out[k][j] = _fma(builder, builder.sitofp(part, _V16F), scales16[k], out[k][j])
-
-
-def _intrinsic_fn_v64(builder):
-    ty = vec(I8, 64)
-    fn_ty = ir.FunctionType(ty, [ty, ir.IntType(1)])
-    return cgutils.get_or_insert_function(builder.module, fn_ty, "llvm.abs.v64i8")
 
 
 def _lane_sum(builder, accs):
