@@ -211,19 +211,23 @@ def test_each_row_of_a_product_is_the_product_of_that_row_alone(qtype):
     np.testing.assert_allclose(together, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
 
 
-def test_tiles_hold_eight_rows_interleaved_four_values_at_a_time():
-    """The repacked layout (tiles.py): Q8_0 values of rows r at bytes 16 + 32 g + 4 r.."""
-    from fastrun.backends.cpu.tiles import repack
+@pytest.mark.parametrize("group", [4, 8])
+def test_tiles_hold_eight_rows_interleaved_a_few_values_at_a_time(group, monkeypatch):
+    """The repacked layout (tiles.py): Q8_0 values of rows r at bytes 16 + 8 group c + group r..
+    (chunk c of `group` values a row: 4 values, or 8 where the host takes wide lanes)."""
+    from fastrun.backends.cpu import tiles
 
+    monkeypatch.setattr(tiles, "WIDE_LANES", group == 8)
+    rows_of, units_of = tiles._permutation("Q8_0")
+    monkeypatch.setitem(tiles._PERMUTATIONS, "Q8_0", (rows_of, units_of))
     raw = random_blocks("Q8_0", 8, 64, np.random.default_rng(3))
-    tiles = repack(raw, "Q8_0")
-    assert tiles.shape == (1, 2 * 8 * 34)
-    first_block = tiles[0, : 8 * 34]
+    first_block = tiles.repack(raw, "Q8_0")[0, : 8 * 34]
     for r in range(8):
         np.testing.assert_array_equal(first_block[2 * r : 2 * r + 2], raw[r, 0:2])  # d
-        for g in range(8):
-            at = 16 + 32 * g + 4 * r
-            np.testing.assert_array_equal(first_block[at : at + 4], raw[r, 2 + 4 * g : 6 + 4 * g])
+        for c in range(32 // group):
+            at = 16 + 8 * group * c + group * r
+            values = raw[r, 2 + group * c : 2 + group * (c + 1)]
+            np.testing.assert_array_equal(first_block[at : at + group], values)
 
 
 def test_kernels_use_vector_instructions():

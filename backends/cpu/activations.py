@@ -25,19 +25,32 @@ drop_stale_cache(
 _JIT = dict(nogil=True, cache=True, fastmath=False)
 
 
+# What isum holds after the block sums, per group of 4 activations: the group's sum times
+# this. Q5_0 stores its values as q + 16 (0..31); its kernels multiply those unsigned
+# values (vpdpbusd takes unsigned times signed bytes) starting from this offset, which
+# takes the 16's out, where the signed values needed llama.cpp's sign trick per activation
+# row. The integer lane sums are the same either way.
+GROUP_OFFSET = -16
+
+
 @nb.njit(inline="always", **_JIT)
 def _q8_0_row(x, xq, xd, xs, isum, t):
-    for b in range(x.shape[1] // 32):
+    n_blocks = x.shape[1] // 32
+    for b in range(n_blocks):
         amax = np.float32(0)
         for j in range(32):
             amax = max(amax, abs(x[t, b * 32 + j]))
         d = amax / np.float32(127)
         inv = np.float32(127) / amax if amax != 0 else np.float32(0)
         total = 0
-        for j in range(32):
-            q = np.int32(np.rint(x[t, b * 32 + j] * inv))
-            xq[t, b * 32 + j] = q
-            total += q
+        for g in range(8):
+            group = 0
+            for j in range(4 * g, 4 * g + 4):
+                q = np.int32(np.rint(x[t, b * 32 + j] * inv))
+                xq[t, b * 32 + j] = q
+                group += q
+            isum[t, n_blocks + 8 * b + g] = GROUP_OFFSET * group
+            total += group
         xd[t, b] = f16_round(d)
         xs[t, b] = f16_round(np.float32(total) * d)
         isum[t, b] = total
@@ -46,7 +59,8 @@ def _q8_0_row(x, xq, xd, xs, isum, t):
 @nb.njit(parallel=True, **_JIT)
 def quantize_q8_0(x, xq, xd, xs, isum):
     """x [n, k] -> xq int8 [n, k], xd [n, k/32] scales, xs [n, k/32] scaled block sums (Q8_1),
-    isum int32 [n, k/32] integer block sums (for weights stored with an offset)."""
+    isum int32 [n, k/32 + k/4]: the integer block sums (for weights stored with an offset),
+    then each 4-value group's sum times GROUP_OFFSET, 8 a block."""
     n = x.shape[0]
     if n < PARALLEL_ROWS:
         for t in range(n):
@@ -115,7 +129,7 @@ def quantize_32(x):
     xq = np.empty((n, k), np.int8)
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 32), np.float32)
-    isum = np.empty((n, k // 32), np.int32)
+    isum = np.empty((n, k // 32 + k // 4), np.int32)
     quantize_q8_0(x, xq, xd, xs, isum)
     return xq, xd, xs, isum
 
@@ -123,7 +137,8 @@ def quantize_32(x):
 @nb.njit(inline="always", **_JIT)
 def quantize(x, q8k):
     """Activations as the dot kernels take them: (xq int8 [n, k], xd scales, xs scaled block
-    sums, isum integer block sums); Q8_K when q8k, else Q8_0/Q8_1."""
+    sums, isum integer block and group sums, quantize_q8_0's and quantize_q8_k's); Q8_K
+    when q8k, else Q8_0/Q8_1."""
     if q8k:
         return quantize_k(x)
     return quantize_32(x)

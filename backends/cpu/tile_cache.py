@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastrun.backends.cpu.tiles import WIDE_LANES
 from fastrun.formats.atomic_file import AtomicFile
 from fastrun.formats.cache_folder import cache_folder
 from fastrun.formats.errors import FastrunError
@@ -45,6 +46,8 @@ def layout_digest() -> str:
     digest = hashlib.sha256()
     for source in LAYOUT_SOURCES:
         digest.update(source.read_bytes())
+    # the same code lays the lane formats out two ways, by the host's vector width
+    digest.update(b"wide lanes" if WIDE_LANES else b"narrow lanes")
     return digest.hexdigest()
 
 

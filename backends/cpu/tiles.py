@@ -49,7 +49,6 @@ from fastrun.backends.cpu.simd import (
     counted_loop,
     dot_accumulate,
     dot_accumulate_512,
-    intrinsic_fn,
     lanes,
     pair_products,
     prefetch,
@@ -74,6 +73,7 @@ _I64 = ir.IntType(64)
 _V8F = vec(_F32, 8)
 _V16F = vec(_F32, 16)
 _V8I = vec(I32, 8)
+_V16I = vec(I32, 16)
 _ONES16 = splat(I16, 16, 1)
 
 
@@ -138,8 +138,9 @@ def _pick_pairs(builder, v16, which):
 class _Tok:
     """One activation row: pointers to its int8 values, block scales and sums."""
 
-    def __init__(self, x, xd, xs, isum):
+    def __init__(self, x, xd, xs, isum, group_sums):
         self.x, self.xd, self.xs, self.isum = x, xd, xs, isum
+        self.group_sums = group_sums  # isum's GROUP_OFFSET-scaled sums (Q8_0 activations)
 
     def x4(self, builder, offset):
         """4 activations at offset in every 32-bit lane (a vpbroadcastd load)."""
@@ -154,6 +155,17 @@ class _Tok:
 
     def scale(self, builder, b):
         return _splat_val(builder, builder.load(builder.gep(self.xd, [b])))
+
+    def offsets(self, builder, b, group, wide):
+        """GROUP_OFFSET times the sum of group `group` of block b in every lane (<8 x i32>),
+        or (wide) of groups group and group + 1 in lanes 2r and 2r + 1 (<16 x i32>, a
+        vpbroadcastq load)."""
+        at = _c64_mul(builder, b, 8, group)
+        if wide:
+            return builder.bitcast(
+                _splat_val(builder, _load(builder, self.group_sums, at, _I64)), _V16I
+            )
+        return _splat_val(builder, builder.load(builder.gep(self.group_sums, [at])))
 
 
 def _sum_groups(builder, toks, weight, x_at, per_i16, scale16=_ONES16):
@@ -197,10 +209,10 @@ def _add_all(builder, totals, parts):
     return [p if t is None else builder.add(t, p) for t, p in zip(totals, parts, strict=True)]
 
 
-def _times_sum(builder, tok, b, factor, stride=1):
-    """factor * the token's integer block sum (<8 x i32> splat): the weight offset's share."""
+def _times_sum(builder, tok, b, factor, stride=1, n=8):
+    """factor * the token's integer block sum (<n x i32> splat): the weight offset's share."""
     s = builder.load(builder.gep(tok.isum, [builder.mul(b, _c64(stride))]))
-    return _splat_val(builder, builder.mul(s, ir.Constant(I32, factor)))
+    return _splat_val(builder, builder.mul(s, ir.Constant(I32, factor)), n)
 
 
 # -- formats of 32-value blocks (activations Q8_0 / Q8_1) -----------------------------------------
@@ -242,55 +254,86 @@ def _q4_0_block(builder, tile, base, b, toks, accs):
     return out
 
 
+def _unsigned_q8(builder, w):
+    """Q8_0's signed bytes plus 128 (0..255), vpdpbusd's unsigned operand: its products then
+    carry 128 x the activations' sum, which the sum starts without (one integer start per
+    block and token, where llama.cpp's sign trick takes two operations per vector)."""
+    return builder.xor(w, splat(I8, w.type.count, -128))
+
+
+def _q8_0_vectors(builder, tile, base):
+    """A Q8_0 tile block's weight vectors: 8 of <32 x i8> (group g: values 4g..4g+3 of each
+    row), or with WIDE_LANES 4 of <64 x i8> (lane 2r + p: row r's group 2j + p); unsigned
+    (_unsigned_q8) where the host has vpdpbusd."""
+    width = 64 if WIDE_LANES else 32
+    vectors = [
+        _load(builder, tile, _at(builder, base, 16 + width * i), vec(I8, width))
+        for i in range(256 // width)
+    ]
+    return [_unsigned_q8(builder, v) for v in vectors] if HAS_VNNI else vectors
+
+
 def _q8_0_sums_block(builder, tile, base, b, toks, accs):
-    """Q8_0 (as _lanes_block's), its blocks summed whole in int32: one fused multiply-add
+    """Q8_0 (as _lanes_block's tiles), its blocks summed whole in int32: one fused multiply-add
     per block and output, a fraction of the lanes' float work."""
     d = _f16x8(builder, tile, base)
-    weights = [_load(builder, tile, _at(builder, base, 16 + 32 * g), vec(I8, 32)) for g in range(8)]
+    weights = _q8_0_vectors(builder, tile, base)
     x0 = builder.mul(b, _c64(32))
     out = []
     for k, tok in enumerate(toks):
-        total = None
-        for g, w in enumerate(weights):
-            part = block_partials(builder, w, tok.x4(builder, _at(builder, x0, 4 * g)), True)
-            total = part if total is None else builder.add(total, part)
+        if WIDE_LANES:
+            total16 = splat(I32, 16, 0)
+            for j, w in enumerate(weights):
+                total16 = dot_accumulate_512(
+                    builder, total16, w, tok.x8(builder, _at(builder, x0, 8 * j))
+                )
+            even = builder.shuffle_vector(total16, total16, lanes(range(0, 16, 2)))
+            odd = builder.shuffle_vector(total16, total16, lanes(range(1, 16, 2)))
+            total = builder.add(builder.add(even, odd), _times_sum(builder, tok, b, -128))
+        elif HAS_VNNI:
+            total = _times_sum(builder, tok, b, -128)
+            for g, w in enumerate(weights):
+                total = dot_accumulate(builder, total, w, tok.x4(builder, _at(builder, x0, 4 * g)))
+        else:
+            total = None
+            for g, w in enumerate(weights):
+                x4 = tok.x4(builder, _at(builder, x0, 4 * g))
+                part = block_partials(builder, w, x4, True)
+                total = part if total is None else builder.add(total, part)
         scale = builder.fmul(d, tok.scale(builder, b))
         out.append((_fma(builder, builder.sitofp(total, _V8F), scale, accs[k][0]),))
     return out
 
 
+def _lane_start(builder, name, tok, b, group, wide):
+    """Where a lane's integer dot starts: the offset of weights stored unsigned (Q5_0's q +
+    16, Q8_0's w + 128 on vpdpbusd hosts) times the group's activations, or 0."""
+    if name == "Q5_0":
+        return tok.offsets(builder, b, group, wide)
+    if name == "Q8_0" and HAS_VNNI:  # GROUP_OFFSET * 8 = -128
+        return builder.shl(tok.offsets(builder, b, group, wide), splat(I32, 16 if wide else 8, 3))
+    return None
+
+
 def _lanes_block(name: str):
     """Q5_0 (d[8], its fifth bits regrouped (32 bytes), then 4 groups of 32 packed bytes),
     Q8_0 (d[8], then 8 groups of 32 signed bytes) and Q4_1 (d[8], m[8], then 4 groups of
-    32 packed bytes) in the float order
-    of llama.cpp's x86 kernels for them (tinyBLAS and vec_dot): per output, eight
-    accumulators, one per group of 4 values in the block (lane g of its 32-byte dot), each
-    taking one fused multiply-add per block; _lane_sum adds them at the end. Q4_1's min
-    terms go to a ninth (one fused multiply-add per block), added after the lanes."""
+    32 packed bytes) in the float order of llama.cpp's x86 kernels for them (tinyBLAS and
+    vec_dot): per output, eight accumulators, one per group of 4 values in the block (lane g
+    of its 32-byte dot), each taking one fused multiply-add per block; _lane_sum adds them
+    at the end. Q4_1's min terms go to a ninth (one fused multiply-add per block), added
+    after the lanes. Each lane's integer dot is the same whichever way it is computed:
+    Q5_0's and Q8_0's from unsigned values and an offset start (_lane_start)."""
 
     def block(builder, tile, base, b, toks, accs):
         d = _f16x8(builder, tile, base)
-        signed = name != "Q4_1"
-        if name == "Q5_0":  # stored as q + 16: signed values, |w| . (x with w's sign)
-            unsigned = _nibble_groups(builder, tile, _at(builder, base, 48), _at(builder, base, 16))
-            weights = [builder.sub(w, splat(I8, 32, 16)) for w in unsigned]
-        elif name == "Q4_1":  # unsigned nibbles, the min apart
-            weights = _nibble_groups(builder, tile, _at(builder, base, 32))
-        else:
-            weights = [
-                _load(builder, tile, _at(builder, base, 16 + 32 * g), vec(I8, 32)) for g in range(8)
-            ]
         x0 = builder.mul(b, _c64(32))
         scales = [builder.fmul(d, tok.scale(builder, b)) for tok in toks]
         out = [list(a) for a in accs]
         if WIDE_LANES:
-            _wide_lanes(builder, weights, signed, toks, x0, scales, out)
+            _wide_lanes(builder, name, tile, base, b, toks, x0, scales, out)
         else:
-            for g, w in enumerate(weights):  # groups outer: one weight vector live
-                for k, tok in enumerate(toks):
-                    x4 = tok.x4(builder, _at(builder, x0, 4 * g))
-                    part = block_partials(builder, w, x4, signed)
-                    out[k][g] = _fma(builder, builder.sitofp(part, _V8F), scales[k], out[k][g])
+            _narrow_lanes(builder, name, tile, base, b, toks, x0, scales, out)
         if name == "Q4_1":  # + m * s, s the activation block's fp16 scaled sum
             m = _f16x8(builder, tile, _at(builder, base, 16))
             for k, tok in enumerate(toks):
@@ -301,31 +344,71 @@ def _lanes_block(name: str):
     return block
 
 
+def _narrow_lanes(builder, name, tile, base, b, toks, x0, scales, out):
+    """_lanes_block's groups one <8 x i32> lane vector at a time: out[k][g] takes group g."""
+    if name == "Q8_0":
+        weights = _q8_0_vectors(builder, tile, base)
+    else:  # unsigned nibbles (Q5_0 with its fifth bits: q + 16)
+        fifth_bits_at = _at(builder, base, 16) if name == "Q5_0" else None
+        qs_at = _at(builder, base, 48 if name == "Q5_0" else 32)
+        weights = _nibble_groups(builder, tile, qs_at, fifth_bits_at)
+    signed = name == "Q8_0" and not HAS_VNNI  # llama.cpp's sign trick where no vpdpbusd
+    for g, w in enumerate(weights):  # groups outer: one weight vector live
+        for k, tok in enumerate(toks):
+            x4 = tok.x4(builder, _at(builder, x0, 4 * g))
+            start = _lane_start(builder, name, tok, b, g, wide=False)
+            if HAS_VNNI:
+                part = dot_accumulate(builder, start or splat(I32, 8, 0), w, x4)
+            else:
+                part = block_partials(builder, w, x4, signed)
+                part = part if start is None else builder.add(part, start)
+            out[k][g] = _fma(builder, builder.sitofp(part, _V8F), scales[k], out[k][g])
+
+
 # AVX-512 VNNI hosts take two groups in one 512-bit vector: 32-bit lane 2r + p holds row
-# r's group 2j + p (the two groups' weight vectors interleaved once, shared by the tokens;
-# the activations a 64-bit broadcast), half the instructions of a group at a time. Each
-# lane's sums are the same as a group's alone.
+# r's group 2j + p (the lane formats' values stored so, 8 bytes a row: _layout), half the
+# instructions of a group at a time. Each lane's sums are the same as a group's alone.
 WIDE_LANES = HAS_VNNI512
 LANE_ACCS = 4 if WIDE_LANES else 8  # accumulators per output: <16 x float> or <8 x float>
-_INTERLEAVE = lanes([4 * (i // 8) + i % 4 + 32 * ((i // 4) % 2) for i in range(64)])
-_PAIR_SCALES = lanes([i // 2 for i in range(16)])
+_PAIR_LANES = lanes([i // 2 for i in range(16)])
+# Q5_0's fifth bits in the wide lanes: byte q of accumulator j's vector tests bit 2j + p of
+# its row's regrouped byte (bit G: group G), p = lane parity
+_FIFTH_BIT_MASKS = [
+    ir.Constant(vec(I8, 64), [1 << (2 * j + (q // 4) % 2) for q in range(64)]) for j in range(4)
+]
 
 
-def _wide_lanes(builder, weights, signed, toks, x0, scales, out):
+def _wide_weights(builder, name, tile, base):
+    """The 4 <64 x i8> weight vectors of a wide-lane tile block, vector j's lane 2r + p row r's
+    group 2j + p: Q8_0's 4 chunks; the nibble formats' 2 chunks of packed bytes, low nibbles
+    (groups 0-3) then high (4-7), Q5_0's fifth bits set into them."""
+    if name == "Q8_0":
+        return _q8_0_vectors(builder, tile, base)
+    qs_at = 48 if name == "Q5_0" else 32
+    packed = [
+        _load(builder, tile, _at(builder, base, qs_at + 64 * i), vec(I8, 64)) for i in range(2)
+    ]
+    weights = [builder.and_(v, splat(I8, 64, 15)) for v in packed]
+    weights += [builder.lshr(v, splat(I8, 64, 4)) for v in packed]
+    if name == "Q5_0":  # row r's 4 regrouped bytes in both its lanes
+        bits = _load(builder, tile, _at(builder, base, 16), _V8I)
+        bits = builder.bitcast(builder.shuffle_vector(bits, bits, _PAIR_LANES), vec(I8, 64))
+        for j in range(4):
+            has = builder.icmp_unsigned(
+                "!=", builder.and_(bits, _FIFTH_BIT_MASKS[j]), splat(I8, 64, 0)
+            )
+            weights[j] = builder.select(has, builder.or_(weights[j], splat(I8, 64, 16)), weights[j])
+    return weights
+
+
+def _wide_lanes(builder, name, tile, base, b, toks, x0, scales, out):
     """_lanes_block's groups two at a time (WIDE_LANES): out[k][j] takes groups 2j, 2j + 1."""
-    zero = splat(I8, 64, 0)
-    scales16 = [builder.shuffle_vector(s, s, _PAIR_SCALES) for s in scales]
-    absf = intrinsic_fn(builder, "llvm.abs.v64i8", vec(I8, 64), [vec(I8, 64), ir.IntType(1)])
-    for j in range(4):
-        w = builder.shuffle_vector(weights[2 * j], weights[2 * j + 1], _INTERLEAVE)
-        if signed:  # |w| . (x with w's sign): the sign a mask, applied per token
-            negative = builder.icmp_signed("<", w, zero)
-            w = builder.call(absf, [w, ir.Constant(ir.IntType(1), 0)])
+    scales16 = [builder.shuffle_vector(s, s, _PAIR_LANES) for s in scales]
+    for j, w in enumerate(_wide_weights(builder, name, tile, base)):
         for k, tok in enumerate(toks):
             x8 = tok.x8(builder, _at(builder, x0, 8 * j))
-            if signed:
-                x8 = builder.select(negative, builder.sub(zero, x8), x8)
-            part = dot_accumulate_512(builder, splat(I32, 16, 0), w, x8)
+            start = _lane_start(builder, name, tok, b, 2 * j, wide=True)
+            part = dot_accumulate_512(builder, start or splat(I32, 16, 0), w, x8)
             out[k][j] = _fma(builder, builder.sitofp(part, _V16F), scales16[k], out[k][j])
 
 
@@ -558,12 +641,14 @@ def _layout(name: str) -> list[tuple[range | list[int], int]]:
     """A tile block's fields in order: the image offsets of their groups, group bytes."""
     bb = block_format(name).block_bytes  # derived bytes start here
     d = _span(name, "d", 2)
+    # the lane formats' values 8 bytes a row with WIDE_LANES (two groups a 32-bit lane pair)
+    wide = WIDE_LANES and name in ("Q4_1", "Q5_0", "Q8_0")
     if name in ("Q4_0", "Q8_0"):
-        return [d, _span(name, "qs", 4)]
+        return [d, _span(name, "qs", 8 if wide else 4)]
     if name == "Q4_1":
-        return [d, _span(name, "m", 2), _span(name, "qs", 4)]
+        return [d, _span(name, "m", 2), _span(name, "qs", 8 if wide else 4)]
     if name == "Q5_0":
-        return [d, (range(bb, bb + 4, 4), 4), _span(name, "qs", 4)]
+        return [d, (range(bb, bb + 4, 4), 4), _span(name, "qs", 8 if wide else 4)]
     if name in ("Q4_K", "Q5_K"):
         scales_mins = [(range(bb, bb + 8, 2), 2), (range(bb + 8, bb + 16, 2), 2)]
         fifth = [_span(name, "qh", 4)] if name == "Q5_K" else []
@@ -712,7 +797,7 @@ def _tile_product_codegen(name: str, n_tok: int):
             for a in arrays:  # C-contiguous 2-D: row tk starts at tk * shape[1]
                 cols = cgutils.unpack_tuple(builder, a.shape, 2)[1]
                 ptrs.append(builder.gep(a.data, [builder.mul(tk, cols)]))
-            toks.append(_Tok(*ptrs))
+            toks.append(_Tok(*ptrs, builder.gep(ptrs[3], [nb_v])))
             outs.append(builder.gep(out_a.data, [builder.add(builder.mul(tk, out_cols), o0_v)]))
 
         first_pass = builder.icmp_signed("==", t_v, _c64(0))
