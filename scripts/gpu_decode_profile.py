@@ -4,6 +4,8 @@ step), the same with the host's per-token work (tok/s), and with --kernels each 
 duration as Nsight Compute reports it (run under ncu, see below).
 
     python scripts/gpu_decode_profile.py --shape llama2-7b --type Q4_0
+    python scripts/gpu_decode_profile.py --shape llama2-7b --model /tmp/q40.gguf -p 16 512 \
+        --batch 1 16   # every depth and batch in one process; the model file kept for the next
     ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file k.csv \\
         --nvtx --nvtx-include decode/ python scripts/gpu_decode_profile.py --steps 1 --replays 0
     python scripts/gpu_decode_profile.py --kernels k.csv   # per-kernel table of one step
@@ -46,11 +48,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES))
     ap.add_argument("--type", default="Q4_0")
-    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-p", "--n-prompt", type=int, nargs="+", default=[512], help="cache depths")
     ap.add_argument("--steps", type=int, default=128, help="decode steps timed with the host")
     ap.add_argument("--replays", type=int, default=200, help="graph replays timed alone")
     ap.add_argument("--both", action="store_true", help="then again without PDL")
-    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences decoded together")
+    ap.add_argument("--model", type=Path, help="this GGUF file (else a random one of --shape)")
     ap.add_argument("--kernels", type=Path, help="print the table of an ncu CSV and stop")
     args = ap.parse_args()
     if args.kernels:
@@ -64,27 +67,31 @@ def main() -> None:
 
     arch, d, ff, n_layer, h, hk, vocab = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "m.gguf"
-        shape = (d, ff, n_layer, h, hk, vocab, 4096)
-        write_tiny_model(path, arch, args.type, *shape, tied=False, fast=True)
+        path = args.model
+        if path is None or not path.exists():  # a given path that is missing: written there
+            path = path or Path(tmp) / "m.gguf"
+            shape = (d, ff, n_layer, h, hk, vocab, 4096)
+            write_tiny_model(path, arch, args.type, *shape, tied=False, fast=True)
         f = GGUFFile(str(path))
         backend = get_backend("cuda")
         model = model_class(f.architecture)(f, backend)
-        measure(model, backend, args)
-        if args.both and backend.k.launch.enabled:
-            backend.k.launch.disable()
-            measure(model, backend, args)
+        for pdl in (True, False) if args.both else (True,):
+            if not pdl and backend.k.launch.enabled:
+                backend.k.launch.disable()
+            for n_prompt in args.n_prompt:
+                for batch in args.batch:
+                    measure(model, backend, args, n_prompt, batch)
 
 
-def measure(model, backend, args) -> None:
+def measure(model, backend, args, n_prompt: int, n_batch: int) -> None:
     import time
 
     import cupy as cp
 
     from fastrun.runner.batch import Batch
 
-    n_ctx, prompt = args.n_prompt + args.steps + 8, list(range(1, args.n_prompt + 1))
-    if args.batch == 1:
+    n_ctx, prompt = n_prompt + args.steps + 8, list(range(1, n_prompt + 1))
+    if n_batch == 1:
         cache = model.new_cache(n_ctx)
         cells = cache.cells
         model.forward(prompt, cache)
@@ -92,7 +99,7 @@ def measure(model, backend, args) -> None:
         def step(tokens):
             return model.forward(tokens, cache, top_k=1)[0][-1:, 0]
     else:
-        cells = model.new_cells(args.batch, n_ctx)
+        cells = model.new_cells(n_batch, n_ctx)
         for seq in cells.sequences:
             model.forward(prompt, seq)
 
@@ -102,8 +109,8 @@ def measure(model, backend, args) -> None:
                 batch.add(seq, [token])
             return model.run(batch, cells, top_k=1)[0][:, 0]
 
-    tokens = step([1] * args.batch)  # eager run + capture
-    length = args.n_prompt + 1
+    tokens = step([1] * n_batch)  # eager run + capture
+    length = n_prompt + 1
     cp.cuda.Device().synchronize()
     cp.cuda.nvtx.RangePush("decode")  # ncu --nvtx --nvtx-include decode/ profiles only this
     t0 = time.perf_counter()
@@ -114,8 +121,11 @@ def measure(model, backend, args) -> None:
     pdl = backend.k.launch.enabled
     if args.steps:
         per = host_s / args.steps
-        rate = args.batch / per
-        print(f"pdl={pdl}: decode with the host {rate:.0f} tok/s ({per * 1e3:.3f} ms/step)")
+        rate = n_batch / per
+        print(
+            f"depth {n_prompt}, batch {n_batch}, pdl={pdl}: decode with the host {rate:.0f} "
+            f"tok/s ({per * 1e3:.3f} ms/step)"
+        )
     if args.replays:
         for c in cells.sequences:
             c.trim(length)
@@ -127,7 +137,7 @@ def measure(model, backend, args) -> None:
         stop.record(graph.stream)
         stop.synchronize()
         ms = cp.cuda.get_elapsed_time(start, stop) / args.replays
-        print(f"pdl={pdl}: graph replay alone {ms:.3f} ms/step")
+        print(f"depth {n_prompt}, batch {n_batch}, pdl={pdl}: graph replay {ms:.3f} ms/step")
     cells.free()
 
 
