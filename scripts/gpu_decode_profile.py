@@ -4,7 +4,7 @@ step), the same with the host's per-token work (tok/s), and with --kernels each 
 duration as Nsight Compute reports it (run under ncu, see below).
 
     python scripts/gpu_decode_profile.py --shape llama2-7b --type Q4_0
-    python scripts/gpu_decode_profile.py --shape llama2-7b --model /tmp/q40.gguf -p 16 512 \
+    python scripts/gpu_decode_profile.py --shape llama2-7b --model /tmp/q40.gguf -p 16 512 \\
         --batch 1 16   # every depth and batch in one process; the model file kept for the next
     ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file k.csv \\
         --nvtx --nvtx-include decode/ python scripts/gpu_decode_profile.py --steps 1 --replays 0
