@@ -66,6 +66,29 @@ def test_attention_on_a_ring_is_the_same(offset):
     assert same_bits(_attention("cpu", ring=16, offset=offset), FIXTURE["kqv_out"])
 
 
+@pytest.mark.parametrize("heads", [(12, 2, 128), (14, 2, 64), (9, 3, 64), (4, 1, 256)])
+@pytest.mark.parametrize("ring", [0, 48])
+def test_attention_is_the_same_whatever_its_tasks(heads, ring):
+    """The query heads of a KV head in one task (their K rows' dot products interleaved, V
+    rows shared) or one head a task, as the thread count picks: the same bits, so they
+    equal the fixture's wherever llama.cpp's order holds."""
+    h, hk, hd = heads
+    rng = np.random.default_rng(hd + h)
+    n, rows = 5, 160
+    k_cache, v_cache = rng.standard_normal((2, rows, hk, hd)).astype(np.float16).astype(np.float32)
+    q = rng.standard_normal((n, h, hd)).astype(np.float32)
+    positions = np.arange(90, 90 + n, dtype=np.int32)
+    starts, offsets = np.full(n, 7, np.int32), np.full(n, 3, np.int32)
+    window = 40 if ring else 0
+    outs = []
+    for threads in (1, n * hk + 1):  # grouped heads, then one head a task
+        out = np.empty((n, h, hd), np.float32)
+        args = (np.float32(hd**-0.5), window, np.float32(0), ring, offsets, threads, out)
+        ops.attention(q, k_cache, v_cache, positions, starts, *args)
+        outs.append(out)
+    assert same_bits(outs[0], outs[1])
+
+
 def test_one_token_at_a_time_is_the_same():
     """Decode steps (one query against the cache so far) give a prefill's bits."""
     backend = get_backend("cpu")

@@ -244,7 +244,8 @@ class CPUBackend(Backend):
         offsets = np.zeros_like(positions) if offsets is None else np.asarray(offsets, np.int32)
         q = np.ascontiguousarray(q)
         args = (np.float32(scale), np.int64(window), np.float32(softcap), np.int64(ring))
-        ops.attention(q, k_cache, v_cache, positions, starts, *args, offsets, out)
+        threads = np.int64(numba.get_num_threads())
+        ops.attention(q, k_cache, v_cache, positions, starts, *args, offsets, threads, out)
         return out.reshape(n, h * hd)
 
 

@@ -14,12 +14,16 @@ import numpy as np
 
 from fastrun.backends.cpu.cache import drop_stale_cache
 from fastrun.backends.cpu.simd import (
+    FMA_HEADS_64,
+    FMA_HEADS_128,
     dot_lanes,
     f16_round,
     fma32,
     fma_rows_64,
     fma_rows_128,
     fma_rows_256,
+    fma_rows_heads_64,
+    fma_rows_heads_128,
     pow2_f64,
 )
 from fastrun.backends.llamacpp_numerics import (
@@ -203,9 +207,6 @@ def _next_row(s, start, ring):
     return s
 
 
-_MANY_TASKS = 64  # (token, KV head) pairs enough to share out among threads
-
-
 @nb.njit(inline="always", **_JIT)
 def _balanced_token(i, n):
     """The token of task row i of n: 0, n-1, 1, n-2, ... A causal prefill's token t reads
@@ -215,9 +216,14 @@ def _balanced_token(i, n):
 
 
 @nb.njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ring, offsets, out):
-    """Causal attention over the cache, one (token, KV head) pair per task where there are
-    many: its query heads share each key and value row read; else one (token, head).
+def attention(
+    q, k_cache, v_cache, positions, starts, scale, window, softcap, ring, offsets, threads, out
+):
+    """Causal attention over the cache, one (token, KV head) pair per task: its query heads
+    share each key and value row read (dot_lanes, fma_rows_heads_*); one (token, head) a
+    task only where the pairs would leave some of the `threads` idle (threads: how many the
+    parallel loop runs on; numba.get_num_threads() in here would keep the kernel out of
+    Numba's cache).
 
     q [n, h, hd], k_cache/v_cache [c, hk, hd], positions and starts (each query's first cache
     row) int32 [n], out [n, h, hd]; window > 0: only the last `window` positions; softcap >
@@ -230,9 +236,10 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ri
     Memory is one score per key per head: no n x n matrix, whatever the prompt length.
     """
     n, h, hd = q.shape
-    # a task: the query heads of one KV head (a prefill), or one head where that leaves
-    # threads idle (a decode step: as many tasks as heads)
-    group = h // k_cache.shape[1] if n * k_cache.shape[1] >= _MANY_TASKS else 1
+    # Qwen2.5-1.5B's decode attention at 512 cached tokens, 2 threads, 28 layers: 5.1 ms one
+    # head a task, 3.3 the heads of a KV head, 2.8 with their dot products interleaved and
+    # their V rows shared
+    group = h // k_cache.shape[1] if n * k_cache.shape[1] >= threads else 1
     n_groups = h // group
     for task in nb.prange(n * n_groups):
         t = _balanced_token(task // n_groups, n)
@@ -247,27 +254,30 @@ def attention(q, k_cache, v_cache, positions, starts, scale, window, softcap, ri
         length = positions[t] - lo + 1
         scores = np.empty((group, length), np.float32)
         m = np.full(group, -np.inf, np.float32)
+        dots = np.empty(group, np.float32)
         s = first
         for at in range(length):
+            if hd % LANES == 0:
+                dot_lanes(qf, k_cache, s, kv, dots)
+            else:  # tinyBLAS takes no such K: ggml's own fp16 dot (another order)
+                for g in range(group):
+                    dots[g] = _dot_row(qf[g], k_cache, s, kv)
             for g in range(group):
-                if hd % LANES == 0:
-                    dot = dot_lanes(qf[g], k_cache, s, kv)
-                else:  # tinyBLAS takes no such K: ggml's own fp16 dot (another order)
-                    dot = _dot_row(qf[g], k_cache, s, kv)
-                score = dot * scale
+                score = dots[g] * scale
                 if softcap > 0:
                     score = softcap * np.float32(math.tanh(score / softcap))
                 scores[g, at] = score
                 m[g] = max(m[g], score)
             s = _next_row(s, starts[t], ring)
-        lanes = np.empty((LANES, hd), np.float32)
+        lanes = np.empty((group, LANES, hd), np.float32)
         for g in range(group):
-            inv = np.float32(1.0 / _exps_and_sum(scores[g], m[g], lo, lanes))
+            inv = np.float32(1.0 / _exps_and_sum(scores[g], m[g], lo, lanes[g]))
             for at in range(length):
                 scores[g, at] = f16_round(scores[g, at] * inv)
-            _weighted_lanes(scores[g], lo, v_cache, first, starts[t], ring, kv, lanes)
+        _weighted_lanes(scores, lo, v_cache, first, starts[t], ring, kv, lanes)
+        for g in range(group):
             for i in range(hd):
-                out[t, head0 + g, i] = _lane_tree(lanes, i)
+                out[t, head0 + g, i] = _lane_tree(lanes[g], i)
 
 
 @nb.njit(**_JIT)
@@ -291,13 +301,14 @@ def _exps_and_sum(row, m, first, lanes):
 
 @nb.njit(**_JIT)
 def _weighted_lanes(probs, first, v_cache, row, start, ring, kv, lanes):
-    """lanes [16, hd] = the sums of probs[at] * v_cache[row of position first + at, kv] as
-    llama.cpp's tinyBLAS multiplies its fp16 probabilities by the fp16 V cache on AVX-512:
-    lane j the fused multiply-add chain over the positions p = j (mod 16), in order; the
-    rows from row on, to the end of a ring of `ring` rows from start and on from its start
-    (ring 0: no ring). The sum of the lanes is each output's (_lane_tree)."""
+    """lanes [G, 16, hd] = for each query head g of one KV head, the sums over its row of
+    probs[g, at] * v_cache[row of position first + at, kv] as llama.cpp's tinyBLAS
+    multiplies its fp16 probabilities by the fp16 V cache on AVX-512: lane j the fused
+    multiply-add chain over the positions p = j (mod 16), in order; the rows from row on, to
+    the end of a ring of `ring` rows from start and on from its start (ring 0: no ring). The
+    sum of a head's lanes is each output's (_lane_tree)."""
     lanes[:] = 0
-    length = probs.size
+    length = probs.shape[1]
     run = min(length, start + ring - row) if ring > 0 else length  # rows before the wrap
     _lane_run(probs, 0, run, first, v_cache, row, kv, lanes)
     _lane_run(probs, run, length - run, first + run, v_cache, start, kv, lanes)
@@ -305,9 +316,12 @@ def _weighted_lanes(probs, first, v_cache, row, start, ring, kv, lanes):
 
 @nb.njit(**_JIT)
 def _lane_run(probs, at0, n, position, v_cache, row0, kv, lanes):
-    """_weighted_lanes over n consecutive rows from row0: probs[at0:], positions from
-    `position` on."""
-    hd = lanes.shape[1]
+    """_weighted_lanes over n consecutive rows from row0: probs[:, at0:], positions from
+    `position` on. The heads share each V row's loads in groups of FMA_HEADS_* where the head
+    size has such a kernel (64, 128), the rest one by one."""
+    group, _, hd = lanes.shape
+    together = FMA_HEADS_128 if hd == 128 else FMA_HEADS_64 if hd == 64 else 1
+    whole = group - group % together if together > 1 else 0  # heads the shared kernels take
     for lane in range(LANES):
         skip = (lane - position) % LANES  # the run's first row of this lane
         if skip >= n:
@@ -315,19 +329,30 @@ def _lane_run(probs, at0, n, position, v_cache, row0, kv, lanes):
         count = (n - skip + LANES - 1) // LANES
         at, row, step = np.int64(at0 + skip), np.int64(row0 + skip), np.int64(LANES)
         args = (np.int64(count), step, np.int64(kv))
-        # the lane's sums in registers: every column at once for the usual head sizes
-        if hd == 128:
-            fma_rows_128(probs, at, v_cache, row, *args, np.int64(0), lanes, np.int64(lane))
-        elif hd == 256:
-            fma_rows_256(probs, at, v_cache, row, *args, np.int64(0), lanes, np.int64(lane))
-        elif hd % 64 == 0:  # 64, or 64 columns at a time
-            for col in range(0, hd, 64):
-                fma_rows_64(probs, at, v_cache, row, *args, np.int64(col), lanes, np.int64(lane))
-        else:
-            for r in range(count):
-                p = probs[at + r * LANES]
-                for i in range(hd):
-                    lanes[lane, i] = fma32(v_cache[row + r * LANES, kv, i], p, lanes[lane, i])
+        for g0 in range(0, whole, together):
+            if hd == 128:
+                fma_rows_heads_128(probs, at, v_cache, row, *args, np.int64(0), lanes,
+                                   np.int64(lane), np.int64(g0))  # fmt: skip
+            else:
+                fma_rows_heads_64(probs, at, v_cache, row, *args, np.int64(0), lanes,
+                                  np.int64(lane), np.int64(g0))  # fmt: skip
+        for g in range(whole, group):  # one by one
+            col0, g_ = np.int64(0), np.int64(g)
+            if hd == 128:
+                fma_rows_128(probs, at, v_cache, row, *args, col0, lanes, np.int64(lane), g_)
+            elif hd == 256:
+                fma_rows_256(probs, at, v_cache, row, *args, col0, lanes, np.int64(lane), g_)
+            elif hd % 64 == 0:  # 64, or 64 columns at a time
+                for col in range(0, hd, 64):
+                    fma_rows_64(probs, at, v_cache, row, *args, np.int64(col), lanes,
+                                np.int64(lane), g_)  # fmt: skip
+            else:
+                for r in range(count):
+                    p = probs[g, at + r * LANES]
+                    for i in range(hd):
+                        lanes[g, lane, i] = fma32(
+                            v_cache[row + r * LANES, kv, i], p, lanes[g, lane, i]
+                        )
 
 
 @nb.njit(inline="always", **_JIT)

@@ -46,7 +46,7 @@ def _kernels(activation: str, formats: tuple[str, ...]) -> list[tuple[str, objec
         ("rope_kv", fused.rope_kv, (rows, rows, rows, types.UniTuple(vector, 3), cache, cache,
                                     int_rows, int_rows, rope_config, vector)),
         ("attention", ops.attention, (heads, cache, cache, int_rows, int_rows, f32, i64, f32,
-                                      i64, int_rows, heads)),
+                                      i64, int_rows, i64, heads)),
         ("_add_branch", stack._add_branch, (rows, rows, vector, types.float64)),
         (gating, getattr(ops, gating), (rows, rows, rows)),
     ]  # fmt: skip

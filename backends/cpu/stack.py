@@ -65,7 +65,7 @@ def run_blocks(
     formats, x, file, where, kernels, block_sizes, q8k, norms, bq, bk, bv, head_norms, post_norms,
     positions, placement, k_cache, v_cache, slots, starts, ring_k, ring_v, ring_slots,
     ring_starts, offsets, ring, eps, rope_dims, rope_neox, rope_bases, rope_scales, factors,
-    windows, q_scale, scale, softcap, gelu,
+    windows, q_scale, scale, softcap, gelu, threads,
 ):  # fmt: skip
     """x [n, d] through every block, in place; returns x.
 
@@ -83,7 +83,8 @@ def run_blocks(
     the RoPE base and scale and the attention window (0: none), float64/int64 [L]; q_scale
     multiplies q before attention (1: no product), scale the scores; softcap:
     of the attention scores (0: none); gelu: True for GELU gating, None for SiLU
-    (backends/block.py; None or not is part of the compiled signature)."""
+    (backends/block.py; None or not is part of the compiled signature); threads: the
+    parallel loops' count (numba.get_num_threads() in here would keep it out of the cache)."""
     n = x.shape[0]
     hd = k_cache.shape[3]
     no_offsets = np.zeros_like(positions)
@@ -113,7 +114,9 @@ def run_blocks(
             q3 *= q_scale
         attn = np.empty(q3.shape, np.float32)
         window = windows[layer]
-        ops.attention(q3, kc, vc, positions, first, scale, window, softcap, rows, shifted, attn)
+        ops.attention(
+            q3, kc, vc, positions, first, scale, window, softcap, rows, shifted, threads, attn
+        )
         wo = _rows(file, where, w + 3)
         attn2 = attn.reshape((n, attn.shape[1] * attn.shape[2]))
         out = qmatmul(formats, wo, attn2, kernels[layer, 3], block_sizes[layer, 1], q8k[layer, 1])
@@ -247,5 +250,5 @@ class CompiledBlocks:
             ints(starts), ring_k, ring_v, ints(ring_slots), ints(ring_starts), ints(offsets),
             np.int64(rows), self.eps, self.rope_dims, self.rope_neox, self.rope_bases,
             self.rope_scales, self.factors, self.windows, self.q_scale, self.scale, self.softcap,
-            self.gelu,
+            self.gelu, np.int64(nb.get_num_threads()),
         )  # fmt: skip
