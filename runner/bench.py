@@ -10,21 +10,30 @@ import time
 import numpy as np
 
 
-def bench_prefill(model, cache, n_prompt: int, rng: np.random.Generator) -> float:
-    """Seconds to run n_prompt random tokens through the emptied cache (logits of the last)."""
+def _fill(model, cache, depth: int, rng: np.random.Generator) -> None:
+    """The emptied cache, then `depth` random tokens in it: the context a test runs after
+    (llama-bench -d). Filled anew for each repetition, as a test's tokens cannot always be
+    rolled back (a sliding-window layer's ring has overwritten what they replaced)."""
+    cache.trim(0)
+    if depth:
+        model.transformer.forward(rng.integers(0, model.transformer.config.n_vocab, depth), cache)
+
+
+def bench_prefill(model, cache, n_prompt: int, rng: np.random.Generator, depth: int = 0) -> float:
+    """Seconds to run n_prompt random tokens after `depth` cached ones (logits of the last)."""
     tf = model.transformer
     ids = rng.integers(0, tf.config.n_vocab, n_prompt)
-    cache.trim(0)
+    _fill(model, cache, depth, rng)
     t0 = time.perf_counter()
     tf.forward(ids, cache)
     return time.perf_counter() - t0
 
 
-def bench_decode(model, cache, n_gen: int, rng: np.random.Generator) -> float:
-    """Seconds to generate n_gen greedy tokens one at a time from the emptied cache (llama-bench
-    tg); the token is picked on the backend, as generation does."""
+def bench_decode(model, cache, n_gen: int, rng: np.random.Generator, depth: int = 0) -> float:
+    """Seconds to generate n_gen greedy tokens one at a time after `depth` cached ones
+    (llama-bench tg); the token is picked on the backend, as generation does."""
     tf = model.transformer
-    cache.trim(0)
+    _fill(model, cache, depth, rng)
     token = int(rng.integers(0, tf.config.n_vocab))
     t0 = time.perf_counter()
     for _ in range(n_gen):
@@ -32,27 +41,31 @@ def bench_decode(model, cache, n_gen: int, rng: np.random.Generator) -> float:
     return time.perf_counter() - t0
 
 
-def run_bench(model, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> list[dict]:
-    """Rows of {test, n, tokens_per_second: [per repetition], mean, sd}, after one warm-up; on
-    the engine's thread, which owns the backend."""
-    return model.engine.call(lambda: _bench_model(model, n_prompt, n_gen, reps, seed))
+def run_bench(
+    model, n_prompt: int, n_gen: int, reps: int, seed: int = 0, depth: int = 0
+) -> list[dict]:
+    """Rows of {test, n, depth, tokens_per_second: [per repetition], mean, sd}, after one
+    warm-up; on the engine's thread, which owns the backend. depth: tokens in the cache
+    before each test, as llama-bench -d (its test names: "tg64 @ d2048")."""
+    return model.engine.call(lambda: _bench_model(model, n_prompt, n_gen, reps, seed, depth))
 
 
-def _bench_model(model, n_prompt: int, n_gen: int, reps: int, seed: int) -> list[dict]:
+def _bench_model(model, n_prompt: int, n_gen: int, reps: int, seed: int, depth: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for test, n, fn in (("pp", n_prompt, bench_prefill), ("tg", n_gen, bench_decode)):
         if n <= 0:
             continue
         # one cache for all repetitions, as llama-bench (a CUDA decode graph is captured once)
-        cache = model.transformer.new_cache(n + 1)
+        cache = model.transformer.new_cache(depth + n + 1)
         fn(model, cache, min(n, 16), rng)  # warm-up: compiled kernels, caches, page faults
-        rates = [n / fn(model, cache, n, rng) for _ in range(reps)]
+        rates = [n / fn(model, cache, n, rng, depth) for _ in range(reps)]
         cache.free()
         rows.append(
             {
-                "test": f"{test}{n}",
+                "test": f"{test}{n}" + (f" @ d{depth}" if depth else ""),
                 "n": n,
+                "depth": depth,
                 "tokens_per_second": rates,
                 "mean": statistics.mean(rates),
                 "sd": statistics.stdev(rates) if len(rates) > 1 else 0.0,

@@ -328,6 +328,12 @@ def bench(
     ] = 256,
     n_gen: Annotated[int, typer.Option("-n", "--n-gen", min=0, help="Generated tokens (tg).")] = 64,
     reps: Annotated[int, typer.Option("-r", "--repetitions", min=1)] = 3,
+    depth: Annotated[
+        int,
+        typer.Option(
+            "-d", "--depth", min=0, help="Tokens in the cache before each test, as llama-bench -d."
+        ),
+    ] = 0,
     parallel: Annotated[
         str | None,
         typer.Option(
@@ -345,12 +351,14 @@ def bench(
     from fastrun.runner.bench import run_bench, run_parallel_bench
 
     counts = _counts(parallel) if parallel else []
-    n_ctx = n_prompt + n_gen + 2
+    if counts and depth:
+        raise FastrunError("--depth is for one sequence's pp and tg; not with --parallel")
+    n_ctx = depth + n_prompt + n_gen + 2
     m = load_model(model, backend, n_ctx, threads, parallel=max(counts, default=1))
     if counts:
         _print_parallel(m, model, run_parallel_bench(m, counts, n_prompt, n_gen, reps), as_json)
         return
-    rows = run_bench(m, n_prompt, n_gen, reps)
+    rows = run_bench(m, n_prompt, n_gen, reps, depth=depth)
     info = {
         "model": m.file.get("general.name") or model,
         "size_mb": round(m.file.size / 1e6, 1),

@@ -10,7 +10,8 @@ Build llama-bench from the llama.cpp sources vendored in the llama-cpp-python sd
 `cmake --build build --target llama-bench -j 2`). For benchmarking only, never in CI.
 
 Each model is measured by both tools back to back, `--rounds` times alternating, and the
-median of the rounds is reported with the ratio fastrun / llama.cpp.
+median of the rounds is reported with the ratio fastrun / llama.cpp. `-d 2048` runs each test
+after 2,048 cached tokens in both tools (llama-bench's -d).
 
     python scripts/bench_vs_llamacpp.py --parallel 1,8 \\
         --batched-bench /path/to/llama-batched-bench -p 16 -n 64 \\
@@ -61,21 +62,26 @@ def isa_environment(isa: str) -> dict[str, str]:
     return env
 
 
-def fastrun_bench(model: str, p: int, n: int, r: int, threads: int) -> dict[str, float]:
+def test_name(kind: str, n: int, depth: int) -> str:
+    """llama-bench's name of a test: pp256, tg64, tg64 @ d2048."""
+    return f"{kind}{n}" + (f" @ d{depth}" if depth else "")
+
+
+def fastrun_bench(model: str, p: int, n: int, r: int, threads: int, d: int) -> dict[str, float]:
     cmd = [sys.executable, "-m", "fastrun.runner.cli", "bench", model, "-p", str(p), "-n", str(n),
-           "-r", str(r), "-t", str(threads), "--json"]  # fmt: skip
+           "-r", str(r), "-t", str(threads), "-d", str(d), "--json"]  # fmt: skip
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     return {row["test"]: row["mean"] for row in out["results"]}
 
 
-def llama_bench(binary: str, path: str, p: int, n: int, r: int, threads: int) -> dict[str, float]:
+def llama_bench(binary: str, path: str, p: int, n: int, r: int, threads: int, d: int) -> dict:
     cmd = [binary, "-m", path, "-t", str(threads), "-p", str(p), "-n", str(n), "-r", str(r),
-           "-o", "json"]  # fmt: skip
+           "-o", "json"] + (["-d", str(d)] if d else [])  # fmt: skip
     rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     result = {}
     for row in rows:
-        test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
-        result[test] = row["avg_ts"]
+        kind, count = ("pp", row["n_prompt"]) if row["n_prompt"] else ("tg", row["n_gen"])
+        result[test_name(kind, count, row.get("n_depth", 0))] = row["avg_ts"]
     return result
 
 
@@ -140,6 +146,9 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=256)
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument(
+        "-d", type=int, default=0, help="cached tokens before each test (llama-bench -d)"
+    )
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per model")
     ap.add_argument("--isa", choices=("native", "avx-vnni", "avx2", "portable"), default="native")
@@ -163,9 +172,11 @@ def main() -> None:
         path = str(resolve_model(model))
         ours, theirs = [], []
         for _ in range(args.rounds):
-            ours.append(fastrun_bench(model, args.p, args.n, args.r, args.threads))
-            theirs.append(llama_bench(args.llama_bench, path, args.p, args.n, args.r, args.threads))
-        for test in (f"pp{args.p}", f"tg{args.n}"):
+            ours.append(fastrun_bench(model, args.p, args.n, args.r, args.threads, args.d))
+            theirs.append(
+                llama_bench(args.llama_bench, path, args.p, args.n, args.r, args.threads, args.d)
+            )
+        for test in (test_name("pp", args.p, args.d), test_name("tg", args.n, args.d)):
             a = statistics.median(o[test] for o in ours)
             b = statistics.median(t[test] for t in theirs)
             lines.append(f"| {model} | {test} | {a:.1f} | {b:.1f} | {a / b:.2f} |")

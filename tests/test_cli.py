@@ -258,3 +258,14 @@ def test_info_leaves_other_architectures_keys_alone(tmp_path):
     assert {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"} <= set(
         info["supported_architectures"]
     )
+
+
+def test_bench_after_cached_tokens(tiny_model):
+    """-d fills the cache before each test, as llama-bench -d, and names the tests as it does."""
+    r = fastrun("bench", str(tiny_model), "-p", "8", "-n", "4", "-r", "1", "-d", "40", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["results"]
+    assert [row["test"] for row in rows] == ["pp8 @ d40", "tg4 @ d40"]
+    assert all(row["depth"] == 40 and row["mean"] > 0 for row in rows)
+    r = fastrun("bench", str(tiny_model), "--parallel", "1,2", "-d", "8")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--depth" in r.stderr
