@@ -45,10 +45,18 @@ SMALL_BATCH = int(os.environ.get("FASTRUN_SMALL_BATCH", "4"))
 # its shapes, "tokens a block:rows a warp:groups in flight a lane[:warps a block]" for each
 # bucket of tokens (a product of n tokens takes the first that holds n, or blocks of the
 # last), the warps a block where a shape names none, and the most bytes of a block's
-# activations staged in shared memory (more: read through L1)
+# activations staged in shared memory (more: read through L1). 8 warps a block for 2
+# tokens: H200, 7B Q4_0 shape, a checking pass's products alone (gpu_pass_profile.py
+# products, eleventh session) 1.726 -> 1.636 ms, every shape faster (QKV 0.394 -> 0.382,
+# O 0.216 -> 0.199, gate-up 0.601 -> 0.584, down 0.487 -> 0.445 ms for 32 copies), the pass
+# 1.32 -> 1.26x a decode step; 16 warps exceed the kernel's launch bounds. A weight that
+# would fill fewer blocks than the GPU has SMs keeps SMALL_WARPS (SmolLM2's and Qwen-1.5B's
+# small products measured within their noise either way). "4:2:1:8" took the 7B shape's 3
+# and 4 tokens from 2.141 / 2.440 to 1.918 / 2.182 ms, but matmul_chains takes those where
+# K % 256 == 0 (1.87), and SmolLM2's (K = 576) looked slower: not taken.
 SMALL_TILES = tuple(
     tuple(int(v) for v in tile.split(":"))
-    for tile in os.environ.get("FASTRUN_SMALL_TILES", "2:2:2,4:2:2,8:4:1,16:4:1").split(",")
+    for tile in os.environ.get("FASTRUN_SMALL_TILES", "2:2:2:8,4:2:2,8:4:1,16:4:1").split(",")
 )
 SMALL_WARPS = int(os.environ.get("FASTRUN_SMALL_WARPS", "4"))
 SMALL_STAGE = int(os.environ.get("FASTRUN_SMALL_STAGE", str(100 * 1024)))
@@ -476,6 +484,8 @@ class CUDABackend(Backend):
             else:
                 shape = next((t for t in SMALL_TILES if t[0] >= n), SMALL_TILES[-1])
                 tile, warps = shape[:3], shape[3] if len(shape) > 3 else SMALL_WARPS
+                if w.n_out < self._sms * warps * tile[1]:  # too few blocks: SMALL_WARPS
+                    warps = min(warps, SMALL_WARPS)
             name, grid, block, shared, stage = tile_launch(w, n, tile, warps, SMALL_STAGE)
             self.k(name)(grid, block, (*inputs, _i32(stage)), shared)
             return
