@@ -176,7 +176,8 @@ def main() -> None:
             theirs.append(
                 llama_bench(args.llama_bench, path, args.p, args.n, args.r, args.threads, args.d)
             )
-        for test in (test_name("pp", args.p, args.d), test_name("tg", args.n, args.d)):
+        tests = [test_name(k, n, args.d) for k, n in (("pp", args.p), ("tg", args.n)) if n > 0]
+        for test in tests:
             a = statistics.median(o[test] for o in ours)
             b = statistics.median(t[test] for t in theirs)
             lines.append(f"| {model} | {test} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
