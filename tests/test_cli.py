@@ -236,7 +236,10 @@ def test_ctrl_c_during_start_up_is_one_line(tiny_model):
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
         if p.returncode in (0, -signal.SIGINT):  # done before the signal, or while exiting
-            assert not err.strip(), err
+            # a signal that lands after main() returned is raised in this harness's own line
+            # (`-c`), outside fastrun and its handler (seen once on a loaded CI machine)
+            after_main = 'File "<string>", line 1' in err and "fastrun" not in err
+            assert not err.strip() or after_main, err
             continue
         assert "Traceback" not in err, err
         assert p.returncode == 130 and err.strip() == "fastrun: interrupted", (delay, err)
