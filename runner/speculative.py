@@ -20,13 +20,13 @@ pass by its tokens (a draft that fell behind runs the tokens it missed first), a
 sequence's acceptance rate. It picks the plan with the most expected tokens per second, and no
 drafts at all unless that beats plain decoding by a margin (estimates are noisy; a draft that
 barely pays is not worth the risk). Sizes of pass never measured are priced along the measured
-ones (interpolated, or extended along the slope of the two largest; a pass of 2 tokens, with
-only 1 measured, as cheap as 1, so that it is tried). Acceptance forgets per checked token, so
-a collapse shows within a few passes; before any is checked, a draft model's acceptance is
-taken as its p_min (it proposes only tokens it is that sure of), lookup's as ACCEPT_PRIOR. A
-drafter the plan declines is probed with a one-token draft at once, then after a wait that
-doubles with each probe the plan does not follow, as long as the probe is cheap (a draft
-model far behind would first read all it missed).
+ones (interpolated; one size past the largest measured as cheap as the largest, so that it
+is tried, and larger ones along the slope of the two largest). Acceptance forgets per checked
+token, so a collapse shows within a few passes; before any is checked, a draft model's
+acceptance is taken as its p_min (it proposes only tokens it is that sure of), lookup's as
+ACCEPT_PRIOR. A drafter the plan declines is probed with a one-token draft at once, then
+after a wait that doubles with each probe the plan does not follow, as long as the probe is
+cheap (a draft model far behind would first read all it missed).
 """
 
 from __future__ import annotations
@@ -200,10 +200,12 @@ class PassCosts:
 
     def estimate(self, n: int) -> float | None:
         """The measured seconds of n tokens; for a size not measured, a line through the
-        measured sizes around it, or beyond the largest along the slope of the two largest
-        (never less than the largest; with a single size measured, a larger pass is priced
-        as that one, so that it is tried once and then known); below the smallest, in
-        proportion to it."""
+        measured sizes around it; below the smallest, in proportion to it. Above the largest:
+        the next size up is priced as the largest, so that a plan tries it once and then
+        knows it, and sizes past it along the slope of the two largest (never less than the
+        largest). A CPU's first extra token costs the most (2-core Qwen-1.5B: 1.18, 1.36,
+        1.56 steps for 2-4 tokens): along the slope of 1 and 2 alone, 3 and 4 looked too
+        dear to try where they paid."""
         if n <= 0:
             return 0.0
         seconds = self._fresh()
@@ -225,7 +227,7 @@ class PassCosts:
             return top
         prev = sizes[-2]
         slope = max((top - seconds[prev]) / (sizes[-1] - prev), 0.0)
-        return top + slope * (n - sizes[-1])
+        return top + slope * (n - sizes[-1] - 1)  # the next size up as the largest
 
 
 @dataclass

@@ -275,7 +275,8 @@ def test_pass_costs_estimates_of_sizes_not_measured():
     costs.record(9, 3.0)
     assert costs.estimate(1) == 1.0 and costs.estimate(9) == 3.0
     assert costs.estimate(5) == pytest.approx(2.0)  # on the line between 1 and 9
-    assert costs.estimate(17) == pytest.approx(5.0)  # along the slope of the two largest
+    assert costs.estimate(10) == 3.0  # the next size up: tried once, then known
+    assert costs.estimate(17) == pytest.approx(4.75)  # past it, along the slope of 1 and 9
     costs.record(12, 0.0)
     costs.record(12, 2.0)  # cheaper than 9 (noise): never less than the largest
     assert costs.estimate(20) == 2.0
