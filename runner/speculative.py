@@ -720,13 +720,24 @@ class Speculator:
             probing = request.speculation.probing.setdefault(self.kind, Probing())
             if k >= max(1, s.draft_min):
                 probing.drafting()
-            elif probing.due() and self._cheap_probe(offer[2]):
+            elif self._probe_now(probing, offer[2]):
                 k = max(1, s.draft_min)  # the plan declines: a one-token probe now and then
             else:
                 continue
             jobs.append((request, request.speculation, k))
         drafts = self.drafter.draft(jobs) if jobs else {}
         return {r: d for r, d in drafts.items() if len(d.tokens) >= s.draft_min}
+
+    def _probe_now(self, probing: Probing, lead: int) -> bool:
+        """A declined step: whether to probe the drafter. When its wait is up, if the probe is
+        cheap; and a draft model is probed at the last step its probe is still cheap (it falls
+        a token further behind each step), so that a reply whose first drafts failed (an
+        explanation before the code) still finds the drafts that pay later."""
+        due = probing.due()
+        if not self._cheap_probe(lead):
+            return False
+        # two tokens short of dear: the costs drift from step to step
+        return due or (lead > 0 and not self._cheap_probe(lead + 2))
 
     def _cheap_probe(self, lead: int) -> bool:
         """Whether a one-token probe costs at most PROBE_COST_MAX plain steps beyond its own
