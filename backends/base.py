@@ -127,7 +127,7 @@ class Backend(ABC):
     @abstractmethod
     def attention(
         self, q, k_cache, v_cache, positions, scale: float, starts=None, window=0, softcap=0.0,
-        ring=0, offsets=None,
+        ring=0, offsets=None, one_sequence=False,
     ):  # fmt: skip
         """Causal attention: query i [h, hd] of q [n, h, hd] attends to the cache slots of
         positions 0..positions[i] of its sequence, in that order: slot starts[i] + p
@@ -137,9 +137,12 @@ class Backend(ABC):
         Heads share kv heads in groups of h // hk. Scores are q . k * scale, then softcap *
         tanh(score / softcap) where softcap > 0. window > 0: only the last `window`
         positions, positions[i] - window + 1 .. positions[i] (a ring needs one, smaller than
-        ring). Returns [n, h * hd], as an array or a value of the backend's own that its
-        matmul and matmul_add take and to_host reads (CUDA: the rows with their 8-bit form,
-        which the attention kernel writes along for the output projection)."""
+        ring). one_sequence: every query is of one sequence (a checking pass; the caller
+        knows it from the host's batch, also inside a graph, whose key holds it), so a
+        backend may read each cached row once for all of them. Returns [n, h * hd], as an
+        array or a value of the backend's own that its matmul and matmul_add take and
+        to_host reads (CUDA: the rows with their 8-bit form, which the attention kernel
+        writes along for the output projection)."""
 
     def kv_copy(self, k_cache, v_cache, src: int, dst: int, n: int, shift: int = 0, rope=None):
         """Copy rows src .. src + n of every layer of k_cache, v_cache [n_layer, c, hk, hd] to

@@ -102,6 +102,13 @@ class Batch:
         return self._made()[3]
 
     @property
+    def one_sequence(self) -> bool:
+        """Several tokens, all of one sequence (a checking pass of drafted tokens, a short
+        prompt): a backend may read each cached row once for all of them."""
+        starts = self.starts
+        return self.n > 1 and bool((starts == starts[0]).all())
+
+    @property
     def is_decode(self) -> bool:
         """Every token wants logits and no sequence brings more than MAX_STEP_TOKENS: a decode
         step, or the check of drafted tokens (graph-captured where the backend captures

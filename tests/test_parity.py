@@ -553,6 +553,43 @@ def test_attention_through_a_ring(backend, n, window, hd):
     assert_attention_close(host(backend, got), expect, full[1])
 
 
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize(
+    "n, last, window, softcap, ring",
+    [(5, 200, 0, 0.0, 0), (9, 520, 0, 0.0, 0), (16, 40, 0, 3.0, 0), (7, 7, 0, 0.0, 0),
+     (9, 300, 40, 0.0, 0), (12, 300, 40, 0.0, 96)],
+)  # fmt: skip
+def test_attention_of_one_sequence(backend, n, last, window, softcap, ring, hd):
+    """A checking pass: n queries of one sequence at its last positions (.. last - 1), told
+    to the backend (one_sequence; CUDA: attn_few, one block a head and split for all of them,
+    from 5 queries), over long and short spans, a window, softcap, a ring past its wrap, and
+    queries sharing KV heads; CUDA also with the positions on the device, as in a graph."""
+    rng = np.random.default_rng(seed_of(n, last, window, softcap, ring, hd, "one"))
+    hk, h, start = 2, 6, 100
+    c = start + 600
+    k_ref, v_ref, k_dev, v_dev = _random_cache(backend, rng, c, hk, hd)
+    pos = np.arange(last - n, last, dtype=np.int32)
+    offsets = np.full(n, 37, np.int32)
+    if ring:  # the sequence's last `ring` positions on its ring rows, start + (p + 37) % ring
+        seen = np.arange(last - ring, last)
+        rows = (start + (seen + 37) % ring).astype(np.int32)
+        k_ref[rows], v_ref[rows] = k_ref[start + seen].copy(), v_ref[start + seen].copy()
+        backend.kv_move(k_dev[None], v_dev[None], start + seen, rows)
+    starts = np.full(n, start, np.int32)
+    q = rng.standard_normal((n, h, hd)).astype(np.float32)
+    args = (hd**-0.5, starts, window, softcap, ring, offsets if ring else None)
+    expect = ref.attention(q, k_ref, v_ref, pos, *args)
+    got = backend.attention(dev(backend, q), k_dev, v_dev, pos, *args, one_sequence=True)
+    assert_attention_close(host(backend, got), expect, v_ref)
+    if type(k_dev).__module__.startswith("cupy"):  # the graph's int vectors on the device
+        import cupy as cp
+
+        on_device = (cp.asarray(pos), hd**-0.5, cp.asarray(starts), window, softcap, ring)
+        on_device += (cp.asarray(offsets) if ring else None,)
+        got = backend.attention(dev(backend, q), k_dev, v_dev, *on_device, one_sequence=True)
+        assert_attention_close(host(backend, got), expect, v_ref)
+
+
 def test_kv_move(backend):
     """Rows moved across every layer, every one read before any is written (a context
     shift's kept tokens within a ring: sources and destinations may overlap)."""

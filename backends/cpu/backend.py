@@ -235,7 +235,7 @@ class CPUBackend(Backend):
 
     def attention(
         self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0,
-        ring=0, offsets=None,
+        ring=0, offsets=None, one_sequence=False,
     ):  # fmt: skip
         n, h, hd = q.shape
         out = np.empty((n, h, hd), np.float32)

@@ -140,6 +140,17 @@ ATTN_GROUP = tuple(
     for name, default in (("FASTRUN_ATTN_GROUP", "0"), ("FASTRUN_ATTN_GROUP_BLOCKS", "512"))
 )
 ATTN_GROUP_MAX = 16  # attn_group's most queries (ops.cu)
+# A pass of ATTN_ONE_SEQUENCE[0]..ATTN_FEW_QUERIES queries of one sequence (a checking pass)
+# takes attn_few (ops.cu): one block a head and split for all the queries, each chunk of
+# cached rows read once for them, split for about ATTN_ONE_SEQUENCE[1] blocks, then
+# attn_few_merge. From 5 tokens:
+# the passes whose products are not a step's bit for bit either (2-4 keep attn_split, whose
+# numbers are a step's).
+ATTN_ONE_SEQUENCE = tuple(
+    int(os.environ.get(name, default))
+    for name, default in (("FASTRUN_ATTN_FEW_FROM", "5"), ("FASTRUN_ATTN_FEW_SPLITS", "512"))
+)
+ATTN_FEW_QUERIES, ATTN_FEW_CHUNK = 16, 32  # attn_few's most queries; rows a staged chunk
 GRAPH_MAX_TOKENS = 64  # the largest decode step captured as a graph (step_size)
 # steps of up to this many tokens are captured at their own size, not padded to a power of
 # two: a checking pass of 9 tokens computes 9, not 16 (0: powers of two throughout)
@@ -219,7 +230,9 @@ class _Kernels:
             else:
                 module = self.select if name == "top_k" else self.ops
             function = module.get_function(name)
-            if name.startswith(("matmul_mma", "matmul_chains", "attn_tiles", "attn_group")):
+            if name.startswith(
+                ("matmul_mma", "matmul_chains", "attn_tiles", "attn_group", "attn_few")
+            ):
                 # past 48 KB: what the static shared memory leaves of the opt-in limit
                 function.max_dynamic_shared_size_bytes = (
                     self._shared_optin - function.shared_size_bytes
@@ -710,7 +723,7 @@ class CUDABackend(Backend):
 
     def attention(
         self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0,
-        ring=0, offsets=None,
+        ring=0, offsets=None, one_sequence=False,
     ):  # fmt: skip
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         n, h, hd = q.shape
@@ -725,8 +738,10 @@ class CUDABackend(Backend):
         if n >= DENSE_ROWS and hd in ATTN_TILE_DIMS and not isinstance(positions, cp.ndarray):
             args = (q, k_cache, v_cache, positions, scale, starts, window, softcap, ring, offsets)
             return self._attention_tiles(*args)
-        if window > 0:  # a sliding-window layer reads at most its window
-            longest = min(longest, window)
+        few = one_sequence and ATTN_ONE_SEQUENCE[0] <= n <= ATTN_FEW_QUERIES
+        few = few and hd in ATTN_TILE_DIMS and n < DENSE_ROWS
+        if window > 0:  # a sliding-window layer reads at most its window (attn_few: a span)
+            longest = min(longest, window + (n - 1 if few else 0))
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
         # positions (in whole rounds of loads, ops.cu) and the combine merges them
         splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
@@ -736,6 +751,9 @@ class CUDABackend(Backend):
         else:
             budget = ATTN_FEW[1] if 1 < n <= ATTN_FEW[0] else ATTN_BLOCKS[n > 1]
         splits = max(1, min(splits, budget // (n * h), ATTN_MAX_SPLITS))
+        if few:  # each split a whole number of attn_few's chunks
+            splits = (longest + ATTN_FEW_CHUNK - 1) // ATTN_FEW_CHUNK
+            splits = max(1, min(splits, ATTN_ONE_SEQUENCE[1] // h, ATTN_MAX_SPLITS))
         pos = self._ints(positions)
         starts = cp.zeros(n, cp.int32) if starts is None else self._ints(starts)
         part_o = cp.empty((n, h, splits, hd), cp.float32)
@@ -755,7 +773,17 @@ class CUDABackend(Backend):
         else:
             args += (_NULL, _NULL, _NULL, _i32(0))
         args += (_i32(window), np.float32(softcap), offsets, _i32(max(ring, 0)))
-        if grouped:
+        if few:
+            # the queries' rows as floats, a chunk's K and V rows in halves (ops.cu)
+            shared = ATTN_FEW_QUERIES * hd * 4 + 2 * ATTN_FEW_CHUNK * (hd + 8) * 2
+            few_args = (q, k_cache, v_cache, pos, starts, part_o, part_ml, _i32(h), _i32(hk))
+            few_args += (_i32(splits), np.float32(scale), _i32(window), np.float32(softcap))
+            few_args += (offsets, _i32(max(ring, 0)), _i32(n))
+            self.k(f"attn_few_{hd}")((h, splits), (128,), few_args, shared)
+            merge = (part_o, part_ml, self._tickets, out, pos, _i32(h), _i32(hd), _i32(splits))
+            merge += (*args[14:18], _i32(window), _i32(n))  # the 8-bit output (xq, xd, xs, tiled)
+            self.k("attn_few_merge")((h, n), (128,), merge)
+        elif grouped:
             shared = n * (10 * 128 + hd) * 4  # each thread's streams of the n queries; q rows
             self.k("attn_group")((h, splits, 1), (128,), (*args, _i32(n), _i32(n)), shared)
         else:

@@ -777,3 +777,210 @@ __device__ __forceinline__ void attn_tiles_body(
 ATTN_TILES(64)
 ATTN_TILES(128)
 ATTN_TILES(256)
+
+// ---- attention for a few queries of one sequence (speculation's checking passes) ----------
+// Block (head, split) takes every query of the pass (n <= AF_QN; the host knows them to be of one
+// sequence: starts[0], offsets[0]) and walks its split's share of the span of their positions
+// (the smallest window start .. the largest position) in chunks of AF_KT positions staged in
+// shared memory: each chunk's K and V are read once for all the queries, where attn_split
+// reads them once a query in n times its blocks (a 9-token pass: 2.9x a step's attention).
+// Warp w takes queries 4w .. 4w + 3 (a warp with none only stages rows), lane j key j of a
+// chunk: each fp16 key converted once serves its 4 queries, whose rows wait in shared memory
+// as floats (fp16-rounded, as attn_split's); flash attention's online softmax across the
+// lanes; lane j then holds dims j * HD / 32 .. of the 4 outputs, weighing each V row by the
+// probability shuffled from its lane. Partial outputs are attn_split's (attn_few_merge merges
+// them). Not attn_split's numbers bit for bit: for the passes whose products are not either.
+#define AF_QN 16
+#define AF_KT 32
+
+// The span of attn_few's queries: the smallest window start lo .. the largest position hi,
+// each split's share of it (whole chunks) and the splits that have rows (`active`).
+struct AttnFewSpan {
+    int lo, hi, share, active;
+};
+
+__device__ __forceinline__ AttnFewSpan attn_few_span(const int* __restrict__ pos, int n,
+                                                     int window, int splits) {
+    AttnFewSpan s;
+    s.lo = 1 << 30;
+    s.hi = -1;
+    for (int i = 0; i < n; ++i) {
+        s.lo = min(s.lo, window > 0 ? max(0, pos[i] - window + 1) : 0);
+        s.hi = max(s.hi, pos[i]);
+    }
+    const int len = s.hi + 1 - s.lo;
+    s.share = ((len + splits - 1) / splits + AF_KT - 1) / AF_KT * AF_KT;
+    s.active = (len + s.share - 1) / s.share;
+    return s;
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_few_body(
+    const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
+    const int* __restrict__ pos, const int* __restrict__ starts, float* __restrict__ part_o,
+    float2* __restrict__ part_ml, int h, int hk, int splits, float scale, int window,
+    float softcap, const int* __restrict__ offsets, int ring, int n) {
+    pdl_start();
+    extern __shared__ __align__(16) unsigned char af_smem[];
+    constexpr int LD = HD + 8;  // halves a staged row: 16 bytes apart on the banks
+    constexpr int DL = HD / 32;  // output dimensions a lane
+    float* sq = reinterpret_cast<float*>(af_smem);  // [AF_QN][HD]
+    __half* sk = reinterpret_cast<__half*>(sq + AF_QN * HD);  // [AF_KT][LD]
+    __half* sv = sk + AF_KT * LD;
+    const int head = blockIdx.x, split = blockIdx.y, t = threadIdx.x;
+    const int lane = t & 31, q0 = (t >> 5) * 4;
+    const AttnFewSpan span = attn_few_span(pos, n, window, splits);
+    if (split >= span.active) return;
+    const int p0 = span.lo + split * span.share, p1 = min(p0 + span.share, span.hi + 1);
+    const bool busy = q0 < n;  // (the same for the whole warp)
+    int qpos[4], qlo[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        qpos[a] = q0 + a < n ? pos[q0 + a] : -1;
+        qlo[a] = window > 0 ? qpos[a] - window + 1 : 0;
+    }
+    const int row = hk * HD;  // halves a cache row
+    const long long base = (long long)starts[0] * row + (head / (h / hk)) * HD;
+    const int off = ring > 0 ? offsets[0] : 0;
+    // q rounded to fp16, as attn_split; every load of a thread issued before any store
+    constexpr int QV = AF_QN * HD / 4 / 128;  // float4s a thread
+    float4 qv[QV];
+#pragma unroll
+    for (int u = 0; u < QV; ++u) {
+        const int i = (t + u * 128) * 4, r = i / HD;
+        const float* src = q + ((long long)r * h + head) * HD + i - r * HD;
+        qv[u] = r < n ? *reinterpret_cast<const float4*>(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < QV; ++u) {
+        const float4 v = qv[u];
+        *reinterpret_cast<float4*>(sq + (t + u * 128) * 4) =
+            make_float4(__half2float(__float2half_rn(v.x)), __half2float(__float2half_rn(v.y)),
+                        __half2float(__float2half_rn(v.z)), __half2float(__float2half_rn(v.w)));
+    }
+    float o[4][DL], m[4], l[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        m[a] = -1e30f;
+        l[a] = 0.f;
+#pragma unroll
+        for (int d = 0; d < DL; ++d) o[a][d] = 0.f;
+    }
+    for (int kb = p0; kb < p1; kb += AF_KT) {
+        constexpr int KV = AF_KT * HD / 8 / 128;  // 8-half pieces of K (and V) a thread
+        uint4 kv[KV], vv[KV];
+#pragma unroll
+        for (int u = 0; u < KV; ++u) {  // loads first, all in flight together
+            const int i = t + u * 128, r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            kv[u] = vv[u] = make_uint4(0, 0, 0, 0);
+            if (kb + r < p1) {
+                const int slot = ring > 0 ? (kb + r + off) % ring : kb + r;
+                const long long at = base + (long long)slot * row + c;
+                kv[u] = *reinterpret_cast<const uint4*>(kc + at);
+                vv[u] = *reinterpret_cast<const uint4*>(vc + at);
+            }
+        }
+        __syncthreads();  // the previous chunk is used up (and the q rows staged)
+#pragma unroll
+        for (int u = 0; u < KV; ++u) {
+            const int i = t + u * 128, r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            *reinterpret_cast<uint4*>(sk + r * LD + c) = kv[u];
+            *reinterpret_cast<uint4*>(sv + r * LD + c) = vv[u];
+        }
+        __syncthreads();
+        if (!busy) continue;
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int c = 0; c < HD; c += 8) {
+            const uint4 kv = *reinterpret_cast<const uint4*>(sk + lane * LD + c);
+            const __half2* k2 = reinterpret_cast<const __half2*>(&kv);
+            float kf[8];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 f = __half22float2(k2[e]);
+                kf[2 * e] = f.x;
+                kf[2 * e + 1] = f.y;
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float4 x = *reinterpret_cast<const float4*>(sq + (q0 + a) * HD + c);
+                const float4 y = *reinterpret_cast<const float4*>(sq + (q0 + a) * HD + c + 4);
+                s[a] += x.x * kf[0] + x.y * kf[1] + x.z * kf[2] + x.w * kf[3] + y.x * kf[4] +
+                        y.y * kf[5] + y.z * kf[6] + y.w * kf[7];
+            }
+        }
+        const int p = kb + lane;
+        float pr[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const bool seen = p < p1 && p <= qpos[a] && p >= qlo[a];
+            const float score =
+                softcap > 0.f ? softcap * tanhf(s[a] * scale / softcap) : s[a] * scale;
+            const float m_new = fmaxf(m[a], warp_max(seen ? score : -1e30f));
+            const float rescale = expf(m[a] - m_new);
+            pr[a] = seen ? expf(score - m_new) : 0.f;
+            float sum = pr[a];
+            for (int x = 16; x > 0; x >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+            l[a] = l[a] * rescale + sum;
+            m[a] = m_new;
+#pragma unroll
+            for (int d = 0; d < DL; ++d) o[a][d] *= rescale;
+        }
+#pragma unroll 4
+        for (int j = 0; j < AF_KT; ++j) {
+            float vf[DL];
+            const __half2* v2 = reinterpret_cast<const __half2*>(sv + j * LD + lane * DL);
+#pragma unroll
+            for (int e = 0; e < DL / 2; ++e) {
+                const float2 f = __half22float2(v2[e]);
+                vf[2 * e] = f.x;
+                vf[2 * e + 1] = f.y;
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float pj = __shfl_sync(0xffffffffu, pr[a], j);
+#pragma unroll
+                for (int d = 0; d < DL; ++d) o[a][d] += pj * vf[d];
+            }
+        }
+    }
+    if (!busy) return;
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {  // this split's part of each output, unnormalised
+        if (q0 + a >= n) break;
+        const long long part = ((long long)(q0 + a) * h + head) * splits + split;
+#pragma unroll
+        for (int d = 0; d < DL; ++d) part_o[part * HD + lane * DL + d] = o[a][d];
+        if (lane == 0) part_ml[part] = make_float2(m[a], l[a]);
+    }
+}
+
+// The splits' merge after attn_few: block (head, query), merge_splits' work. A launch of its
+// own: with tickets, the block that finished last for one query did for all of them (their
+// tickets fall together), n merges one after another.
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attn_few_merge(const float* __restrict__ part_o, const float2* __restrict__ part_ml,
+                   int* __restrict__ tickets, float* __restrict__ out,
+                   const int* __restrict__ pos, int h, int hd, int splits,
+                   signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
+                   int tiled, int window, int n) {
+    pdl_start();
+    __shared__ float scratch[32];
+    const AttnFewSpan sp = attn_few_span(pos, n, window, splits);
+    merge_splits(part_o, part_ml, tickets, out, blockIdx.y * h + blockIdx.x, hd, splits,
+                 sp.active, scratch, h, xq, xd, xs, tiled);
+}
+
+#define ATTN_FEW(HD)                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) attn_few_##HD(                           \
+        const float* __restrict__ q, const __half* __restrict__ kc,                            \
+        const __half* __restrict__ vc, const int* __restrict__ pos,                            \
+        const int* __restrict__ starts, float* __restrict__ part_o,                            \
+        float2* __restrict__ part_ml, int h, int hk, int splits, float scale, int window,      \
+        float softcap, const int* __restrict__ offsets, int ring, int n) {                     \
+        attn_few_body<HD>(q, kc, vc, pos, starts, part_o, part_ml, h, hk, splits, scale,       \
+                          window, softcap, offsets, ring, n);                                  \
+    }
+ATTN_FEW(64)
+ATTN_FEW(128)
+ATTN_FEW(256)

@@ -307,10 +307,11 @@ class Transformer:
         try:
             n, outputs = batch.n, batch.outputs
             where = (batch.ids, batch.positions, batch.starts, batch.ring_starts, batch.offsets)
+            one = batch.one_sequence
             if len(outputs) == 0:  # an inner prefill chunk: only the cells change
-                return self._logits(where, cells, outputs, 0)
+                return self._logits(where, cells, outputs, 0, one)
             if not (capture and batch.is_decode):
-                out = self._logits(where, cells, outputs, top_k)
+                out = self._logits(where, cells, outputs, top_k, one)
                 return tuple(map(self.backend.to_host, out)) if top_k else self.backend.to_host(out)
             size = self.backend.step_size(n)
             vectors = tuple(np.zeros(size, np.int32) for _ in where)
@@ -319,9 +320,11 @@ class Transformer:
             vectors[2][n:], vectors[3][n:] = cells.pad_row, cells.ring_pad_row
 
             def step(*vectors):  # on the backend's own int32 vectors (the graph's inputs)
-                return self._logits(vectors, cells, None, top_k)
+                return self._logits(vectors, cells, None, top_k, one)
 
-            out = self.backend.run_step(cells, (size, top_k), step, *vectors)
+            # one sequence's tokens (a checking pass) and as many sequences' share no graph:
+            # their attention differs (Backend.attention's one_sequence)
+            out = self.backend.run_step(cells, (size, top_k, one), step, *vectors)
             return tuple(a[:n] for a in out) if top_k else out[:n]
         except BaseException as e:  # the caches must not claim tokens of an unfinished pass
             batch.rollback()
@@ -330,12 +333,12 @@ class Transformer:
                 raise KeyboardInterrupt from None
             raise
 
-    def _logits(self, where, cells: KVCells, outputs, top_k: int):
+    def _logits(self, where, cells: KVCells, outputs, top_k: int, one_sequence: bool = False):
         """Logits on the backend of the rows `outputs` (host int32; None: every row), or top_k's
         (ids, logits) of them; None for outputs of length 0 (only the cache matters). where:
         the int32 vectors ids, positions, starts (each token's sequence's first full-context
         row), ring_starts (its first ring row) and offsets (its ring offset), on the host or
-        the backend."""
+        the backend; one_sequence: the pass's Batch.one_sequence."""
         b, c = self.backend, self.config
         spec, stack = self.described(cells.n_ctx)
         ids, positions, starts, ring_starts, offsets = where
@@ -353,7 +356,7 @@ class Transformer:
                 k, v, ring = cells.layer(i)
                 to = (ring_slots, ring_starts, ring, offsets) if ring else (slots, starts, 0, None)
                 kv = (k, v, *to)
-                x = self._attention_block(x, layer, spec, i, kv, positions)
+                x = self._attention_block(x, layer, spec, i, kv, positions, one_sequence)
                 x = self._ffn_block(x, layer, spec)
         if outputs is not None:
             if len(outputs) == 0:
@@ -365,7 +368,9 @@ class Transformer:
             logits = b.softcap(logits, spec.final_softcap)
         return b.top_k(logits, top_k) if top_k else logits
 
-    def _attention_block(self, x, layer: Layer, spec: BlockSpec, i: int, kv, positions):
+    def _attention_block(
+        self, x, layer: Layer, spec: BlockSpec, i: int, kv, positions, one_sequence: bool
+    ):
         """Block i's attention; kv: its (k_cache, v_cache, slots, starts, ring, offsets), as
         Backend.attention reads a ring (ring > 0) or a full-context storage (ring 0)."""
         b, c, at = self.backend, self.config, spec.layers[i]
@@ -383,7 +388,7 @@ class Transformer:
             q, scale = b.scale(q, scale), 1.0
         attn = b.attention(
             q, k_cache, v_cache, positions, scale, starts, at.window, spec.attn_softcap, ring,
-            offsets,
+            offsets, one_sequence,
         )  # fmt: skip
         if layer.attn_post_norm is None:
             return b.matmul_add(attn, layer.wo, x)
