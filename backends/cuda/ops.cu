@@ -224,6 +224,17 @@ extern "C" __global__ void kv_copy(const __half* __restrict__ ks, const __half* 
     kd[dst + (ib - ia)] = __float2half_rn(a * s + b * c);
 }
 
+// Eight fp16 values (one 16-byte load) as floats.
+__device__ __forceinline__ void half8_to_float(uint4 u, float (&f)[8]) {
+    const __half2* h2 = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 v = __half22float2(h2[e]);
+        f[2 * e] = v.x;
+        f[2 * e + 1] = v.y;
+    }
+}
+
 // ---- attention over the fp16 KV cache: split over the cache length, then combined ---------
 // Where a query's position p lives: row starts[query] + p of the cache, or on a sliding-window
 // layer's ring (ring > 0 rows a sequence) row starts[query] + (p + offsets[query]) % ring.
@@ -682,18 +693,8 @@ __device__ __forceinline__ void attn_tiles_body(
             float qf[4][8], kf[4][8];
 #pragma unroll
             for (int a = 0; a < 4; ++a) {
-                const uint4 qa = *reinterpret_cast<const uint4*>(sq + (qg + a) * LD + c);
-                const uint4 ka = *reinterpret_cast<const uint4*>(sk + (kg + a) * LD + c);
-                const __half2* q2 = reinterpret_cast<const __half2*>(&qa);
-                const __half2* k2 = reinterpret_cast<const __half2*>(&ka);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 qv = __half22float2(q2[e]), kv = __half22float2(k2[e]);
-                    qf[a][2 * e] = qv.x;
-                    qf[a][2 * e + 1] = qv.y;
-                    kf[a][2 * e] = kv.x;
-                    kf[a][2 * e + 1] = kv.y;
-                }
+                half8_to_float(*reinterpret_cast<const uint4*>(sq + (qg + a) * LD + c), qf[a]);
+                half8_to_float(*reinterpret_cast<const uint4*>(sk + (kg + a) * LD + c), kf[a]);
             }
 #pragma unroll
             for (int a = 0; a < 4; ++a)
@@ -892,15 +893,8 @@ __device__ __forceinline__ void attn_few_body(
         float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
         for (int c = 0; c < HD; c += 8) {
-            const uint4 kv = *reinterpret_cast<const uint4*>(sk + lane * LD + c);
-            const __half2* k2 = reinterpret_cast<const __half2*>(&kv);
             float kf[8];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 f = __half22float2(k2[e]);
-                kf[2 * e] = f.x;
-                kf[2 * e + 1] = f.y;
-            }
+            half8_to_float(*reinterpret_cast<const uint4*>(sk + lane * LD + c), kf);
 #pragma unroll
             for (int a = 0; a < 4; ++a) {
                 const float4 x = *reinterpret_cast<const float4*>(sq + (q0 + a) * HD + c);
