@@ -53,6 +53,11 @@ class Backend(ABC):
     def load_weight(self, raw: np.ndarray, qtype: str, n_out: int, n_in: int) -> Weight:
         """Take raw GGUF block bytes [n_out, row_bytes] (may be a memory map) as a weight."""
 
+    def head_prefix(self, head: Weight, raw: np.ndarray, n_out: int) -> Weight:
+        """The first n_out rows of an output head (raw: their GGUF bytes) as a weight of its
+        own, multiplied as the head is (a draft model's head over its common tokens)."""
+        return self.load_weight(raw, head.qtype, n_out, head.n_in)
+
     @abstractmethod
     def load_vector(self, x: np.ndarray):
         """A float32 vector (norm weight, bias) onto the backend."""

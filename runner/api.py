@@ -130,6 +130,11 @@ class Model:
         self.engine.set_speculator(None if kind is None else self._speculator(kind))
 
     @property
+    def draft_transformer(self):
+        """The draft model's Transformer, where one was loaded (None: none)."""
+        return None if self._draft_model is None else self._draft_model.transformer
+
+    @property
     def last(self) -> Completion:
         """The calling thread's most recent generation: its text, tokens and timings."""
         return getattr(self._local, "last", None) or Completion()

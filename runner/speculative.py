@@ -56,6 +56,12 @@ MIN_SPEEDUP = 1.05  # drafts must promise this much over plain decoding, or none
 PROBE_WAIT_FIRST = 8  # declined steps after the first probe (at once) before the next one
 PROBE_WAIT_MAX = 64  # the longest wait (it doubles with each probe the plan does not follow)
 PROBE_COST_MAX = 2.0  # plain steps a probe may cost beyond its step (a draft's catch-up)
+# On the CPU a draft model's logits cover the first DRAFT_HEAD_ROWS ids of a vocabulary of at
+# least twice as many (Transformer.limit_head). 2-core Ice Lake, Qwen2.5-0.5B drafting for the
+# 1.5B: a draft step 30.5 -> 25.5 ms, code prompts 1.35 -> 1.42x plain decoding in one run
+# (32768 rows: 23 ms, but 1.24 -> 1.20x: drafts ended at the identifiers past them). Not on
+# CUDA, where a small model's step is bound by its launches more than by its bytes.
+DRAFT_HEAD_ROWS = 65536
 
 
 @dataclass(frozen=True)
@@ -431,6 +437,8 @@ class ModelDrafter:
 
     def __init__(self, transformer, tokenizer, n_seq: int, n_ctx: int, p_min: float, chunk: int):
         self.transformer = transformer
+        if transformer.backend.name == "cpu" and 2 * DRAFT_HEAD_ROWS <= transformer.config.n_vocab:
+            transformer.limit_head(DRAFT_HEAD_ROWS)
         self.tokenizer = tokenizer
         self.cells = transformer.new_cells(n_seq, n_ctx, max(chunk, MAX_STEP_TOKENS))
         self.p_min = p_min

@@ -106,7 +106,11 @@ PROMPTS = {
 CODE_PROMPTS = ("type-hints", "rename", "fix-bug")
 
 
-SPECULATION = {"plain": None, "lookup": "lookup", "draft": "draft", "both": "lookup+draft"}
+SPECULATION = {"plain": None, "lookup": "lookup", "draft": "draft", "both": "lookup+draft",
+               "draft-whole-head": "draft"}  # fmt: skip
+# draft-whole-head: the draft model's logits over its whole vocabulary, not the first
+# DRAFT_HEAD_ROWS ids (speculative.py), to measure what that limit gains (CPU only: a CUDA
+# graph keeps the head it was captured with)
 LLAMA_PEERS = {"lookup": "llama-lookup", "draft": "llama-draft"}  # our mode -> llama.cpp's
 
 
@@ -116,7 +120,9 @@ def fastrun_modes(args) -> list[str]:
     if unknown:
         sys.exit(f"unknown modes {unknown}: of {', '.join([*SPECULATION, *LLAMA_PEERS.values()])}")
     if args.draft == "none":
-        modes = [m for m in modes if m not in ("draft", "both", "llama-draft")]
+        modes = [m for m in modes if m not in ("draft", "both", "llama-draft", "draft-whole-head")]
+    if args.backend != "cpu" and "draft-whole-head" in modes:
+        sys.exit("draft-whole-head: CPU only (a CUDA graph keeps the head it was captured with)")
     return modes
 
 
@@ -137,7 +143,15 @@ def load(args, with_draft: bool):
 
 def run_fastrun(model, mode: str, text: str, n: int) -> dict:
     model.speculate(SPECULATION[mode])
-    done = model.complete(text, max_tokens=n, temperature=0)
+    draft = model.draft_transformer
+    rows = None if draft is None else draft.head_rows
+    if mode == "draft-whole-head":
+        draft.limit_head(draft.config.n_vocab)
+    try:
+        done = model.complete(text, max_tokens=n, temperature=0)
+    finally:
+        if draft is not None:
+            draft.limit_head(rows)
     costs = model.stats().get("speculative", {})
     return {
         "target_pass_ms": costs.get("target_pass_ms"),
@@ -307,7 +321,7 @@ def main() -> int:
     paths = {"target": resolve_model(args.target)}
     if args.draft != "none":
         paths["draft"] = resolve_model(args.draft)
-    model = load(args, with_draft=any(m in ("draft", "both") for m in ours))
+    model = load(args, with_draft=any(SPECULATION[m] in ("draft", "lookup+draft") for m in ours))
     texts = {p: model.template.render([{"role": "user", "content": PROMPTS[p]}],
                                       add_generation_prompt=True)
              for p in prompts}  # fmt: skip

@@ -404,6 +404,48 @@ def test_ngram_index_proposes_what_followed_the_latest_match():
     assert periodic.propose(5) == (2, [8, 8, 8, 8, 8])
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_head_over_the_first_ids(tiny_model, backend):
+    """Transformer.limit_head (a CPU draft model's): the whole head's logits of those ids, bit
+    for bit; -inf past them where every logit comes back; top_k picks among them alone."""
+    f = GGUFFile(tiny_model)
+    model = model_class(f.architecture)(f, get_backend(backend))
+    n_vocab = model.config.n_vocab
+    cache = model.new_cache(64)
+    whole = model.forward([5, 6, 7, 250, 251], cache, all_logits=True)
+    model.limit_head(100)
+    cache.trim(0)
+    part = model.forward([5, 6, 7, 250, 251], cache, all_logits=True)
+    assert part.shape == (5, n_vocab)
+    np.testing.assert_array_equal(part[:, :100], whole[:, :100])
+    assert np.all(part[:, 100:] == -np.inf)
+    cache.trim(4)
+    ids, logits = model.forward([251], cache, top_k=20)
+    assert ids.max() < 100 and logits.max() == part[-1].max()
+    model.limit_head(n_vocab)
+    cache.trim(0)
+    np.testing.assert_array_equal(model.forward([5, 6, 7, 250, 251], cache, True), whole)
+
+
+def test_greedy_speculation_with_a_draft_head_of_the_first_ids(
+    tiny_model, draft_model, monkeypatch
+):
+    """A draft model's head limited to its first ids (DRAFT_HEAD_ROWS, where the vocabulary
+    has twice as many): the drafts it cannot make are rejected; the output is still plain
+    decoding's."""
+    monkeypatch.setattr("fastrun.runner.speculative.DRAFT_HEAD_ROWS", 128)
+    prompt = REPEATING + list(range(40, 60)) + [260, 270, 280]
+    settings = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    m = Model(tiny_model, backend="cpu", n_ctx=128, parallel=1, draft=tiny_model)
+    expect = m.complete(prompt, **settings).tokens
+    assert m.draft_transformer.head_rows == 128
+    m.speculate("draft")
+    done = m.complete(prompt, **settings)
+    m.close()
+    assert done.tokens == expect and done.drafted_tokens > 0
+    assert any(t >= 128 for t in expect)  # tokens the draft could not propose
+
+
 def test_settings_and_vocabularies_are_checked(tiny_model, smollm2_path):
     with pytest.raises(FastrunError, match="--draft-min"):
         SpeculativeSettings(draft_max=4, draft_min=5)

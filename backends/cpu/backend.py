@@ -92,6 +92,14 @@ class CPUBackend(Backend):
         raw.flags.writeable = False  # one compiled signature: read-only weight bytes
         return CPUWeight(raw, qtype, n_out, n_in)
 
+    def head_prefix(self, head, raw, n_out):
+        # the head's own product, which the stack compiled for its formats (stack.py): no
+        # compile of another
+        weight = self.load_weight(raw, head.qtype, n_out, head.n_in)
+        if hasattr(head, "kernel"):
+            weight.formats, weight.kernel = head.formats, head.kernel
+        return weight
+
     def load_vector(self, x):
         return np.ascontiguousarray(x, np.float32).copy()
 

@@ -238,6 +238,8 @@ class Transformer:
         self.output_norm = vector(keys.OUTPUT_NORM)  # [d]
         tied = keys.OUTPUT not in f.tensors
         self.output = self.token_embd if tied else load(keys.OUTPUT, c.n_vocab, c.n_embd)
+        self.head_rows = c.n_vocab  # self.output: the head's first head_rows rows
+        self._heads = {c.n_vocab: self.output}  # by rows: those limit_head made
         # the blocks below as one backend call where the backend has one (CPU: compiled)
         self._stack = backend.layer_stack(
             self.layers, c.rms_eps, spec, source=f.path, head=self.output
@@ -256,6 +258,32 @@ class Transformer:
             stack = None if self._stack is None else self._stack.for_block(spec)
             self._contexts[id(config)] = (config, spec, stack)  # config kept: its id stays
         return self._contexts[id(config)][1:]
+
+    def limit_head(self, rows: int) -> None:
+        """Logits of the first `rows` vocabulary ids alone (n_vocab or more: all), set before
+        the first pass (a CUDA graph keeps the head it was captured with): a draft model's.
+        Its head is a large share of a small model's step (Qwen2.5-0.5B: 145 of about 400 MB
+        read a step), and byte-level BPE numbers tokens in the order of their merges, the
+        common ones first: the first 65536 of Qwen's 151936 ids hold 97-98 % of the tokens of
+        scripts/spec_bench.py's code prompts (the first 32768: 92-93 %, too few: the
+        identifiers an edit repeats lie past them). A draft can propose no later id (its draft
+        ends there, rejected); logits of every id (top_k 0) come back vocabulary-wide, -inf
+        past the rows."""
+        c = self.config
+        self.head_rows = rows = min(rows, c.n_vocab)
+        if rows not in self._heads:
+            name = keys.OUTPUT if keys.OUTPUT in self.file.tensors else keys.TOKEN_EMBD
+            raw = self.file.tensor_bytes(name)[:rows]
+            self._heads[rows] = self.backend.head_prefix(self._heads[c.n_vocab], raw, rows)
+        self.output = self._heads[rows]
+
+    def _vocabulary_wide(self, logits: np.ndarray) -> np.ndarray:
+        """Host logits [m, head_rows] as [m, n_vocab], -inf where the head has no row."""
+        if self.head_rows == self.config.n_vocab:
+            return logits
+        wide = np.full((len(logits), self.config.n_vocab), -np.inf, np.float32)
+        wide[:, : self.head_rows] = logits
+        return wide
 
     def new_cells(self, n_seq: int, n_ctx: int, max_pass: int = PREFILL_CHUNK) -> KVCells:
         """KV storage for n_seq sequences of n_ctx tokens each, whose passes add at most
@@ -312,7 +340,9 @@ class Transformer:
                 return self._logits(where, cells, outputs, 0, one)
             if not (capture and batch.is_decode):
                 out = self._logits(where, cells, outputs, top_k, one)
-                return tuple(map(self.backend.to_host, out)) if top_k else self.backend.to_host(out)
+                if top_k:
+                    return tuple(map(self.backend.to_host, out))
+                return self._vocabulary_wide(self.backend.to_host(out))
             size = self.backend.step_size(n)
             vectors = tuple(np.zeros(size, np.int32) for _ in where)
             for padded, vector in zip(vectors, where, strict=True):
@@ -325,7 +355,7 @@ class Transformer:
             # one sequence's tokens (a checking pass) and as many sequences' share no graph:
             # their attention differs (Backend.attention's one_sequence)
             out = self.backend.run_step(cells, (size, top_k, one), step, *vectors)
-            return tuple(a[:n] for a in out) if top_k else out[:n]
+            return tuple(a[:n] for a in out) if top_k else self._vocabulary_wide(out[:n])
         except BaseException as e:  # the caches must not claim tokens of an unfinished pass
             batch.rollback()
             if isinstance(e, SystemError) and _caused_by_interrupt(e):
