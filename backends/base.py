@@ -198,6 +198,23 @@ class Backend(ABC):
         self.kv_write(k_cache, v_cache, k, v.reshape(n, -1, hd), slots)
         return q
 
+    def rope_attention(
+        self, q, k, v, biases, rope, slots, k_cache, v_cache, positions, scale: float,
+        starts=None, window=0, softcap=0.0, ring=0, offsets=None, one_sequence=False,
+        one_token_each=False,
+    ):  # fmt: skip
+        """One layer's attention from its projections: attention_inputs (biases, RoPE, the new
+        rows stored at slots), then attention of the rotated q; the other arguments are
+        theirs. one_token_each: every query is its sequence's only new token (a decode step;
+        the caller knows it from the host's batch, as one_sequence), so a backend may store
+        each new row inside the attention, where the query's own reads end (CUDA: a kernel
+        a layer fewer)."""
+        q = self.attention_inputs(q, k, v, biases, k_cache, v_cache, positions, slots, rope)
+        return self.attention(
+            q, k_cache, v_cache, positions, scale, starts, window, softcap, ring, offsets,
+            one_sequence,
+        )  # fmt: skip
+
     def layer_stack(self, layers, eps: float, block, source: str | None = None, head=None):
         """All transformer blocks (the model's Layer objects, computing as block: BlockSpec
         describes) as one callable, stack(x, positions, placement, full, ring) -> x, doing

@@ -109,6 +109,12 @@ class Batch:
         return self.n > 1 and bool((starts == starts[0]).all())
 
     @property
+    def one_token_each(self) -> bool:
+        """Every token is its sequence's only one (a decode step): a backend may store each
+        new key and value inside the attention, as the last row its query reads."""
+        return self.n > 0 and len(np.unique(self.starts)) == self.n
+
+    @property
     def is_decode(self) -> bool:
         """Every token wants logits and no sequence brings more than MAX_STEP_TOKENS: a decode
         step, or the check of drafted tokens (graph-captured where the backend captures

@@ -4,6 +4,7 @@ A new backend op is not done until it has a case here. GPU cases skip without Cu
 """
 
 import zlib
+from functools import partial
 
 import numpy as np
 import pytest
@@ -325,6 +326,57 @@ def test_attention_inputs(backend, neox):
     np.testing.assert_allclose(host(backend, got), expect, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(host(backend, k_dev), k_ref, rtol=1e-3, atol=1e-3)
     np.testing.assert_array_equal(host(backend, v_dev), v_ref)
+
+
+@pytest.mark.parametrize(
+    "kind, neox",
+    [("decode", False), ("decode", True), ("check", False), ("few", True), ("few", False),
+     ("ring", False), ("ring decode", True)],
+)  # fmt: skip
+def test_rope_attention(backend, kind, neox):
+    """One layer's attention from its projections gives the bits of attention_inputs then
+    attention, in the output and in the cache, and the reference's numbers. decode: three
+    sequences' next tokens (CUDA: attn_split rotating the queries and storing the new rows
+    itself); check and few: three and nine tokens of one sequence (rope_kv, then attn_split
+    or attn_few); ring: a sliding-window layer's ring of 32 rows a sequence, wrapping."""
+    from fastrun.backends.base import Backend
+
+    rng = np.random.default_rng(seed_of(kind, neox))
+    hk, h, hd, rows = 2, 4, 64, 120  # 40 rows a sequence, or a ring of 32
+    ring, window = (32, 20) if kind.startswith("ring") else (0, 0)
+    if kind in ("decode", "ring decode"):
+        seq, pos = np.array([0, 1, 2]), np.array([7, 39, 0])
+    else:
+        n = {"check": 3, "few": 9, "ring": 6}[kind]
+        seq, pos = np.zeros(n, np.int64), np.arange(28, 28 + n)
+    pos = pos.astype(np.int32)
+    offsets = np.array([7, 30, 1])[seq].astype(np.int32)
+    starts = (seq * (ring or 40)).astype(np.int32)
+    slots = starts + ((pos + offsets) % ring if ring else pos)
+    n = len(pos)
+    q, k, v = (rng.standard_normal((n, m * hd)).astype(np.float32) for m in (h, hk, hk))
+    biases = [rng.standard_normal(a.shape[1]).astype(np.float32) for a in (q, k, v)]
+    cfg = RopeConfig(n_dims=32, freq_base=1e4, neox=neox)  # partial rotation: dims 32.. kept
+    reads = (hd**-0.5, starts, window, 0.0, ring, offsets if ring else None, len(set(seq)) == 1)
+    reads += (len(set(seq)) == len(seq),)  # one_token_each
+    cache_seed = seed_of(kind, neox, "cache")
+    k_ref, v_ref, _, _ = _random_cache(ref, np.random.default_rng(cache_seed), rows, hk, hd)
+    expect = ref.rope_attention(
+        q.copy(), k.copy(), v.copy(), biases, cfg, slots, k_ref, v_ref, pos, *reads
+    )
+    outputs, caches = [], []
+    for attend in (backend.rope_attention, partial(Backend.rope_attention, backend)):
+        _, _, kc, vc = _random_cache(backend, np.random.default_rng(cache_seed), rows, hk, hd)
+        inputs = [dev(backend, a) for a in (q, k, v)]
+        bs = [backend.load_vector(b) for b in biases]
+        outputs.append(host(backend, attend(*inputs, bs, cfg, slots, kc, vc, pos, *reads)))
+        caches.append((host(backend, kc), host(backend, vc)))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    for together, apart in zip(*caches, strict=True):
+        np.testing.assert_array_equal(together, apart)
+    assert_attention_close(outputs[0], expect, v_ref)
+    np.testing.assert_allclose(caches[0][0], k_ref, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(caches[0][1], v_ref)
 
 
 def _random_cache(backend, rng, c, hk, hd):

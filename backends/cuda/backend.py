@@ -151,6 +151,14 @@ ATTN_ONE_SEQUENCE = tuple(
     for name, default in (("FASTRUN_ATTN_FEW_FROM", "5"), ("FASTRUN_ATTN_FEW_SPLITS", "512"))
 )
 ATTN_FEW_QUERIES, ATTN_FEW_CHUNK = 16, 32  # attn_few's most queries; rows a staged chunk
+# A decode step whose every token is its sequence's only one takes its projections into
+# attn_split raw: each block rotates its query, the last split of each stores the new K and V
+# rows, and rope_kv is a launch a layer fewer (0: rope_kv always). H200, 7B Q4_0, graph
+# replay: one sequence 1.911 -> 1.855 ms at depth 512, 1.856 -> 1.788 at 16; sixteen at 512
+# 4.055 -> 3.987; Q4_K one at 512 2.172 -> 2.112. Not for
+# checking passes: a block that rotates several rows before its loads made attn_split (2
+# tokens) 4.8 us and attn_few (8) 12.7 us a layer slower, more than rope_kv's launch.
+ROPE_IN_ATTENTION = int(os.environ.get("FASTRUN_ROPE_IN_ATTENTION", "1"))
 GRAPH_MAX_TOKENS = 64  # the largest decode step captured as a graph (step_size)
 # steps of up to this many tokens are captured at their own size, not padded to a power of
 # two: a checking pass of 9 tokens computes 9, not 16 (0: powers of two throughout)
@@ -706,20 +714,59 @@ class CUDABackend(Backend):
             grid, (256,), (k, v, k_cache, v_cache, self._ints(slots), _i32(n), _i32(width))
         )
 
+    def _raw_inputs(self, q, k, v):
+        """q [n, h * hd], k and v [n, hk * hd] as the kernels read them: rows of unit-stride
+        floats, k and v with one row stride (views of a fused product stay views)."""
+        if k.strides != v.strides or q.strides[1] != 4 or k.strides[1] != 4:
+            q, k, v = (cp.ascontiguousarray(a) for a in (q, k, v))
+        return q, k, v
+
+    def _inputs_args(self, q, k, v, biases, slots, rope) -> tuple:
+        """The kernels' arguments for a layer's projections before RoPE (ops.cu AttnInputs,
+        less q): k, v, their row strides, the biases, the slots, the RoPE table."""
+        powers, factors = self._rope_table(rope)
+        bq, bk, bv = biases if biases is not None else (_NULL, _NULL, _NULL)
+        args = (k, v, _i32(q.strides[0] // 4), _i32(k.strides[0] // 4), bq, bk, bv)
+        args += (self._ints(slots), powers, _NULL if factors is None else factors)
+        return args + (_i32(rope.n_dims), np.float32(rope.freq_scale), _i32(rope.neox))
+
     def attention_inputs(self, q, k, v, biases, k_cache, v_cache, positions, slots, rope):
         n, hk, hd = q.shape[0], k_cache.shape[1], k_cache.shape[2]
         h = q.size // (n * hd)
-        if k.strides != v.strides or q.strides[1] != 4 or k.strides[1] != 4:
-            q, k, v = (cp.ascontiguousarray(a) for a in (q, k, v))
-        powers, factors = self._rope_table(rope)
+        q, k, v = self._raw_inputs(q, k, v)
         q_out = cp.empty((n, h, hd), cp.float32)
-        bq, bk, bv = biases if biases is not None else (_NULL, _NULL, _NULL)
-        args = (q, k, v, _i32(q.strides[0] // 4), _i32(k.strides[0] // 4), bq, bk, bv, q_out)
-        args += (k_cache, v_cache, self._ints(positions), self._ints(slots), powers)
-        args += (_NULL if factors is None else factors, _i32(h), _i32(hk), _i32(hd))
-        args += (_i32(rope.n_dims), np.float32(rope.freq_scale), _i32(rope.neox))
+        inputs = self._inputs_args(q, k, v, biases, slots, rope)
+        args = (q, *inputs[:7], q_out, k_cache, v_cache, self._ints(positions), *inputs[7:10])
+        args += (_i32(h), _i32(hk), _i32(hd), *inputs[10:])
         self.k("rope_kv")((n, h + hk), (64,), args)
         return q_out
+
+    def rope_attention(
+        self, q, k, v, biases, rope, slots, k_cache, v_cache, positions, scale, starts=None,
+        window=0, softcap=0.0, ring=0, offsets=None, one_sequence=False, one_token_each=False,
+    ):  # fmt: skip
+        n, hd = q.shape[0], k_cache.shape[2]
+        kind = self._attention_kind(n, hd, positions, one_sequence)
+        if not (one_token_each and kind == "split" and ROPE_IN_ATTENTION):
+            return super().rope_attention(
+                q, k, v, biases, rope, slots, k_cache, v_cache, positions, scale, starts,
+                window, softcap, ring, offsets, one_sequence,
+            )  # fmt: skip
+        # attn_split rotates the queries and stores the new rows itself (ops.cu)
+        q, k, v = self._raw_inputs(q, k, v)
+        inputs = self._inputs_args(q, k, v, biases, slots, rope)
+        args = (q, q.shape[1] // hd, k_cache, v_cache, positions, scale, starts, window, softcap)
+        return self._attention(*args, ring, offsets, kind, inputs)
+
+    def _attention_kind(self, n: int, hd: int, positions, one_sequence: bool) -> str:
+        """The kernel that takes attention of n queries: "tiles" (prefill), "few" (a checking
+        pass), "grouped" or "split"."""
+        if n >= DENSE_ROWS and hd in ATTN_TILE_DIMS and not isinstance(positions, cp.ndarray):
+            return "tiles"
+        few = one_sequence and ATTN_ONE_SEQUENCE[0] <= n <= ATTN_FEW_QUERIES
+        if few and hd in ATTN_TILE_DIMS and n < DENSE_ROWS:
+            return "few"
+        return "grouped" if 1 < n <= min(ATTN_GROUP[0], ATTN_GROUP_MAX) else "split"
 
     def attention(
         self, q, k_cache, v_cache, positions, scale, starts=None, window=0, softcap=0.0,
@@ -727,25 +774,36 @@ class CUDABackend(Backend):
     ):  # fmt: skip
         q = cp.ascontiguousarray(q, dtype=cp.float32)
         n, h, hd = q.shape
-        hk = k_cache.shape[1]
+        kind = self._attention_kind(n, hd, positions, one_sequence)
+        if kind == "tiles":
+            args = (q, k_cache, v_cache, positions, scale, starts, window, softcap, ring)
+            return self._attention_tiles(*args, self._offsets(offsets, ring))
+        args = (q, h, k_cache, v_cache, positions, scale, starts, window, softcap, ring)
+        return self._attention(*args, offsets, kind, None)
+
+    def _offsets(self, offsets, ring: int):
+        # ring > 0: a sliding-window layer's ring; the kernels read each query's offset from
+        # the device (a graph's replays take the offsets of their step, not of its capture)
+        return _NULL if ring <= 0 else self._ints(offsets)
+
+    def _attention(
+        self, q, h, k_cache, v_cache, positions, scale, starts, window, softcap, ring, offsets,
+        kind, inputs,
+    ):  # fmt: skip
+        """Attention of n queries (q: [n, h, hd] rotated, or with inputs, attn_split's only,
+        the raw q rows of _inputs_args' projections) by attn_split, attn_group or attn_few."""
+        n, hk, hd = q.shape[0], k_cache.shape[1], k_cache.shape[2]
         if isinstance(positions, cp.ndarray):  # inside a graph: sized for the whole cache
             longest = k_cache.shape[0]
         else:
             longest = int(np.max(positions)) + 1
-        # ring > 0: a sliding-window layer's ring; the kernels read each query's offset from
-        # the device (a graph's replays take the offsets of their step, not of its capture)
-        offsets = _NULL if ring <= 0 else self._ints(offsets)
-        if n >= DENSE_ROWS and hd in ATTN_TILE_DIMS and not isinstance(positions, cp.ndarray):
-            args = (q, k_cache, v_cache, positions, scale, starts, window, softcap, ring, offsets)
-            return self._attention_tiles(*args)
-        few = one_sequence and ATTN_ONE_SEQUENCE[0] <= n <= ATTN_FEW_QUERIES
-        few = few and hd in ATTN_TILE_DIMS and n < DENSE_ROWS
+        offsets = self._offsets(offsets, ring)
+        few, grouped = kind == "few", kind == "grouped"
         if window > 0:  # a sliding-window layer reads at most its window (attn_few: a span)
             longest = min(longest, window + (n - 1 if few else 0))
         # enough blocks to fill the GPU at decode; each split takes an equal share of a query's
         # positions (in whole rounds of loads, ops.cu) and the combine merges them
         splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
-        grouped = 1 < n <= min(ATTN_GROUP[0], ATTN_GROUP_MAX)
         if grouped:  # one block takes all n queries: the splits of a one-token step
             budget = ATTN_GROUP[1] * n
         else:
@@ -787,7 +845,10 @@ class CUDABackend(Backend):
             shared = n * (10 * 128 + hd) * 4  # each thread's streams of the n queries; q rows
             self.k("attn_group")((h, splits, 1), (128,), (*args, _i32(n), _i32(n)), shared)
         else:
-            self.k("attn_split")((h, splits, n), (128,), args)
+            if inputs is None:  # q rotated, the new rows stored (ops.cu AttnInputs: k null)
+                inputs = (_NULL, _NULL, _i32(0), _i32(0), _NULL, _NULL, _NULL, _NULL, _NULL)
+                inputs += (_NULL, _i32(0), np.float32(0), _i32(0))
+            self.k("attn_split")((h, splits, n), (128,), (*args, *inputs))
         return out if act is None else QuantizedRows(out, act)
 
     def _attention_tiles(

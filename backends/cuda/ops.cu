@@ -82,6 +82,128 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
     v[ib] = a * s + b * c;
 }
 
+// A layer's RoPE as the kernels that rotate take it (the host's RopeConfig and table).
+struct RopeArgs {
+    const float* powers;  // powers[1]: base^(-2 / n_dims) (rope_theta)
+    const float* factors;  // per-pair divisors, or null
+    int n_dims, neox;
+    float freq_scale;
+};
+
+// Element r of a head's rotation: pair r (r < n_dims / 2) rotated to position p, or past the
+// pairs one unrotated element twice, from the head's row src plus its bias (null: none), as
+// (ia, a) and (ib, b). per_head: the elements of a head, rope_elements(hd).
+__device__ __forceinline__ int rope_elements(const RopeArgs& rope, int hd) {
+    return (rope.n_dims >> 1) + (hd - rope.n_dims);
+}
+
+__device__ __forceinline__ void rope_element(const RopeArgs& rope, int r, const float* src,
+                                             const float* bias, int p, int& ia, int& ib,
+                                             float& a, float& b) {
+    const int half = rope.n_dims >> 1;
+    if (r < half) {
+        rope_pair(r, half, rope.neox, ia, ib);
+    } else {
+        ia = ib = rope.n_dims + (r - half);
+    }
+    a = src[ia];
+    b = src[ib];
+    if (bias) {
+        a += bias[ia];
+        b += bias[ib];
+    }
+    if (r < half) {
+        float s, c;
+        sincosf(rope_theta(p, r, rope.powers, rope.factors, rope.freq_scale), &s, &c);
+        const float ra = a * c - b * s, rb = a * s + b * c;
+        a = ra;
+        b = rb;
+    }
+}
+
+// A q head (src, bias) rotated to position p into dst [hd], by the block's threads.
+__device__ __forceinline__ void rope_q_head(const RopeArgs& rope, const float* src,
+                                            const float* bias, int p, int hd, float* dst) {
+    for (int r = threadIdx.x; r < rope_elements(rope, hd); r += blockDim.x) {
+        int ia, ib;
+        float a, b;
+        rope_element(rope, r, src, bias, p, ia, ib, a, b);
+        dst[ia] = a;
+        dst[ib] = b;
+    }
+}
+
+// A token's k head rotated to position p and its v head (plus their biases) stored as fp16
+// at k_dst, v_dst [hd], by the block's threads.
+__device__ __forceinline__ void rope_kv_head(const RopeArgs& rope, const float* k_src,
+                                             const float* v_src, const float* bk,
+                                             const float* bv, int p, int hd, __half* k_dst,
+                                             __half* v_dst) {
+    for (int r = threadIdx.x; r < rope_elements(rope, hd); r += blockDim.x) {
+        int ia, ib;
+        float a, b;
+        rope_element(rope, r, k_src, bk, p, ia, ib, a, b);
+        k_dst[ia] = __float2half_rn(a);
+        k_dst[ib] = __float2half_rn(b);
+    }
+    for (int e = threadIdx.x; e < hd; e += blockDim.x)
+        v_dst[e] = __float2half_rn(bv ? v_src[e] + bv[e] : v_src[e]);
+}
+
+// A layer's projections before RoPE, for an attention kernel that rotates and stores them
+// itself (attn_split): q [n, h * hd] and k, v [n, hk * hd] in rows q_stride
+// and kv_stride floats apart (views into a fused product), their biases (or null), each
+// token's cache slot. k null: q is rotated already, [n, h, hd], and the cache is written.
+struct AttnInputs {
+    const float *k, *v;
+    int q_stride, kv_stride;
+    const float *bq, *bk, *bv;
+    const int* slots;
+    RopeArgs rope;
+};
+
+// Token tok's q head `head` rotated into dst [hd] (rope_q_head), as rope_kv writes it.
+__device__ __forceinline__ void attn_q_head(const AttnInputs& in, const float* q, int tok,
+                                            int head, int hd, int p, float* dst) {
+    const int off = head * hd;
+    rope_q_head(in.rope, q + (long long)tok * in.q_stride + off, in.bq ? in.bq + off : nullptr,
+                p, hd, dst);
+}
+
+// Token tok's k and v heads of KV head kvh into their cache row slots[tok], as rope_kv
+// writes them; kc, vc: the layer's cache [rows, hk, hd].
+__device__ __forceinline__ void attn_kv_head(const AttnInputs& in, int tok, int kvh, int hk,
+                                             int hd, int p, __half* kc, __half* vc) {
+    const int off = kvh * hd;
+    const long long src = (long long)tok * in.kv_stride + off;
+    const long long dst = (long long)in.slots[tok] * hk * hd + off;
+    rope_kv_head(in.rope, in.k + src, in.v + src, in.bk ? in.bk + off : nullptr,
+                 in.bv ? in.bv + off : nullptr, p, hd, kc + dst, vc + dst);
+}
+
+__device__ __forceinline__ AttnInputs attn_inputs(const float* k, const float* v, int q_stride,
+                                                  int kv_stride, const float* bq,
+                                                  const float* bk, const float* bv,
+                                                  const int* slots, const float* powers,
+                                                  const float* factors, int n_dims,
+                                                  float freq_scale, int neox) {
+    AttnInputs in;
+    in.k = k;
+    in.v = v;
+    in.q_stride = q_stride;
+    in.kv_stride = kv_stride;
+    in.bq = bq;
+    in.bk = bk;
+    in.bv = bv;
+    in.slots = slots;
+    in.rope.powers = powers;
+    in.rope.factors = factors;
+    in.rope.n_dims = n_dims;
+    in.rope.neox = neox;
+    in.rope.freq_scale = freq_scale;
+    return in;
+}
+
 // The attention inputs, block (token, head) in one pass: biases added (when given), q head
 // rotated into q_out [n, h * hd]; a k head rotated and its v head stored as fp16 at cache row
 // slots[token] (heads h .. h + hk - 1 of the grid).
@@ -96,50 +218,13 @@ extern "C" __global__ void rope_kv(const float* __restrict__ q, const float* __r
                                    const float* __restrict__ factors, int h, int hk, int hd,
                                    int n_dims, float freq_scale, int neox) {
     pdl_start();
-    const int tok = blockIdx.x, j = blockIdx.y, half = n_dims >> 1, p = pos[tok];
-    // element r of head j (q heads, then k heads): rotated pairs first, then the dims past
-    // n_dims unrotated
-    const int per_head = half + (hd - n_dims);
-    const bool is_q = j < h;
-    const int off = (is_q ? j : j - h) * hd;  // the head's first element in its row
-    const float* x_row = is_q ? q + (long long)tok * q_stride : k + (long long)tok * kv_stride;
-    const float* src = x_row + off;
-    const float* bias = is_q ? bq : bk;
-    if (bias) bias += off;
-    float* q_dst = q_out + (long long)tok * h * hd + off;
-    const long long row = (long long)slots[tok] * hk * hd;  // the token's cache row
-    __half* k_dst = kc + row + off;
-    for (int r = threadIdx.x; r < per_head; r += blockDim.x) {
-        int ia, ib;  // a rotated pair, or (r past the pairs) one unrotated element twice
-        if (r < half) {
-            rope_pair(r, half, neox, ia, ib);
-        } else {
-            ia = ib = n_dims + (r - half);
-        }
-        float a = src[ia], b = src[ib];
-        if (bias) {
-            a += bias[ia];
-            b += bias[ib];
-        }
-        if (r < half) {
-            float s, c;
-            sincosf(rope_theta(p, r, powers, factors, freq_scale), &s, &c);
-            const float ra = a * c - b * s, rb = a * s + b * c;
-            a = ra;
-            b = rb;
-        }
-        if (is_q) {
-            q_dst[ia] = a;
-            q_dst[ib] = b;
-        } else {
-            k_dst[ia] = __float2half_rn(a);
-            k_dst[ib] = __float2half_rn(b);
-        }
-    }
-    if (is_q) return;
-    const float* v_src = v + (long long)tok * kv_stride + off;
-    for (int e = threadIdx.x; e < hd; e += blockDim.x)
-        vc[row + off + e] = __float2half_rn(bv ? v_src[e] + bv[off + e] : v_src[e]);
+    const int tok = blockIdx.x, j = blockIdx.y;
+    const AttnInputs in = attn_inputs(k, v, q_stride, kv_stride, bq, bk, bv, slots, powers,
+                                      factors, n_dims, freq_scale, neox);
+    if (j < h)
+        attn_q_head(in, q, tok, j, hd, pos[tok], q_out + ((long long)tok * h + j) * hd);
+    else
+        attn_kv_head(in, tok, j - h, hk, hd, pos[tok], kc, vc);
 }
 
 // silu(gate) * up, element-wise.
@@ -458,20 +543,28 @@ __device__ __forceinline__ void attn_partial(const AttnLane& a, float (&acc)[8],
 // finish merges all splits (flash-decoding) into out [n, h * hd] (and, given xq, its
 // Q8_0/Q8_1 quantization for the output projection, as quantize_rows would write it) and
 // resets the ticket, so the counters are all zero again for the next launch (or replay).
+// Given k_in (AttnInputs), q holds the raw projections of a decode step whose every query is
+// its sequence's only new token: each block rotates its query head itself, and the query's
+// last split stores its new K and V rows before reading them, in place of rope_kv (a launch
+// a layer fewer). kc and vc are then written and read by one launch: no read-only loads.
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
-    attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
-               const __half* __restrict__ vc, const int* __restrict__ pos,
+    attn_split(const float* __restrict__ q, __half* kc, __half* vc, const int* __restrict__ pos,
                const int* __restrict__ starts, float* __restrict__ part_o,
                float2* __restrict__ part_ml, int* __restrict__ tickets,
                float* __restrict__ out, int h, int hk, int hd, int splits, float scale,
                signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
                int tiled, int window, float softcap, const int* __restrict__ offsets,
-               int ring) {
+               int ring, const float* __restrict__ k_in, const float* __restrict__ v_in,
+               int q_stride, int kv_stride, const float* __restrict__ bq,
+               const float* __restrict__ bk, const float* __restrict__ bv,
+               const int* __restrict__ slots, const float* __restrict__ powers,
+               const float* __restrict__ factors, int n_dims, float freq_scale, int neox) {
     pdl_start();
     constexpr int WARPS = ATTN_THREADS / 32;
     __shared__ float warp_ml[WARPS][2];  // each warp's running max and sum
     __shared__ float warp_o[WARPS][256];  // and its unnormalised output
     __shared__ float scratch[32];
+    __shared__ float q_rot[256];  // the query's head, rotated here (k_in given)
     __shared__ int last;
     const int head = blockIdx.x, split = blockIdx.y, i = blockIdx.z;
     const int warp = threadIdx.x >> 5;
@@ -483,10 +576,21 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
     const long long part = ((long long)i * h + head) * splits + split;
     if (split >= sp.active) return;
     const int kvh = head / (h / hk), row = hk * hd;  // row: halves per cache row
+    const float* qr = q + ((long long)i * h + head) * hd;
+    if (k_in) {  // the projections raw, each query its sequence's only new token
+        const AttnInputs in = attn_inputs(k_in, v_in, q_stride, kv_stride, bq, bk, bv, slots,
+                                          powers, factors, n_dims, freq_scale, neox);
+        attn_q_head(in, q, i, head, hd, pos[i], q_rot);
+        // the new row is the last this query reads: its last split stores it (the blocks of
+        // the other query heads of its KV head store the same bits)
+        if (split == sp.active - 1) attn_kv_head(in, i, kvh, hk, hd, pos[i], kc, vc);
+        __syncthreads();  // q_rot; the row, before this block's loads of it
+        qr = q_rot;
+    }
     kc += (long long)starts[i] * row + kvh * hd;
     vc += (long long)starts[i] * row + kvh * hd;
     const int first = ring_first(sp.lo, offsets, i, ring);  // the row of position lo
-    const float* qr = q + ((long long)i * h + head) * hd + 8 * a.dg;
+    qr += 8 * a.dg;
     float qf[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) qf[e] = a.dims ? __half2float(__float2half_rn(qr[e])) : 0.f;

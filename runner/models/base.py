@@ -335,11 +335,11 @@ class Transformer:
         try:
             n, outputs = batch.n, batch.outputs
             where = (batch.ids, batch.positions, batch.starts, batch.ring_starts, batch.offsets)
-            one = batch.one_sequence
+            layout = (batch.one_sequence, batch.one_token_each)
             if len(outputs) == 0:  # an inner prefill chunk: only the cells change
-                return self._logits(where, cells, outputs, 0, one)
+                return self._logits(where, cells, outputs, 0, layout)
             if not (capture and batch.is_decode):
-                out = self._logits(where, cells, outputs, top_k, one)
+                out = self._logits(where, cells, outputs, top_k, layout)
                 if top_k:
                     return tuple(map(self.backend.to_host, out))
                 return self._vocabulary_wide(self.backend.to_host(out))
@@ -350,11 +350,12 @@ class Transformer:
             vectors[2][n:], vectors[3][n:] = cells.pad_row, cells.ring_pad_row
 
             def step(*vectors):  # on the backend's own int32 vectors (the graph's inputs)
-                return self._logits(vectors, cells, None, top_k, one)
+                return self._logits(vectors, cells, None, top_k, layout)
 
-            # one sequence's tokens (a checking pass) and as many sequences' share no graph:
-            # their attention differs (Backend.attention's one_sequence)
-            out = self.backend.run_step(cells, (size, top_k, one), step, *vectors)
+            # one sequence's tokens (a checking pass), one token of each sequence (a decode
+            # step) and others share no graph: their attention differs (Backend.attention's
+            # one_sequence, rope_attention's one_token_each)
+            out = self.backend.run_step(cells, (size, top_k, layout), step, *vectors)
             return tuple(a[:n] for a in out) if top_k else self._vocabulary_wide(out[:n])
         except BaseException as e:  # the caches must not claim tokens of an unfinished pass
             batch.rollback()
@@ -363,12 +364,12 @@ class Transformer:
                 raise KeyboardInterrupt from None
             raise
 
-    def _logits(self, where, cells: KVCells, outputs, top_k: int, one_sequence: bool = False):
+    def _logits(self, where, cells: KVCells, outputs, top_k: int, layout=(False, False)):
         """Logits on the backend of the rows `outputs` (host int32; None: every row), or top_k's
         (ids, logits) of them; None for outputs of length 0 (only the cache matters). where:
         the int32 vectors ids, positions, starts (each token's sequence's first full-context
         row), ring_starts (its first ring row) and offsets (its ring offset), on the host or
-        the backend; one_sequence: the pass's Batch.one_sequence."""
+        the backend; layout: the pass's (Batch.one_sequence, Batch.one_token_each)."""
         b, c = self.backend, self.config
         spec, stack = self.described(cells.n_ctx)
         ids, positions, starts, ring_starts, offsets = where
@@ -386,7 +387,7 @@ class Transformer:
                 k, v, ring = cells.layer(i)
                 to = (ring_slots, ring_starts, ring, offsets) if ring else (slots, starts, 0, None)
                 kv = (k, v, *to)
-                x = self._attention_block(x, layer, spec, i, kv, positions, one_sequence)
+                x = self._attention_block(x, layer, spec, i, kv, positions, layout)
                 x = self._ffn_block(x, layer, spec)
         if outputs is not None:
             if len(outputs) == 0:
@@ -399,7 +400,7 @@ class Transformer:
         return b.top_k(logits, top_k) if top_k else logits
 
     def _attention_block(
-        self, x, layer: Layer, spec: BlockSpec, i: int, kv, positions, one_sequence: bool
+        self, x, layer: Layer, spec: BlockSpec, i: int, kv, positions, layout: tuple
     ):
         """Block i's attention; kv: its (k_cache, v_cache, slots, starts, ring, offsets), as
         Backend.attention reads a ring (ring > 0) or a full-context storage (ring 0)."""
@@ -412,14 +413,17 @@ class Transformer:
             k = b.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, c.rms_eps).reshape(n, -1)
         biases = None if layer.bq is None else (layer.bq, layer.bk, layer.bv)
         k_cache, v_cache, slots, starts, ring, offsets = kv
-        q = b.attention_inputs(q, k, v, biases, k_cache, v_cache, positions, slots, at.rope)
-        scale = spec.attn_scale
-        if spec.scale_q:
-            q, scale = b.scale(q, scale), 1.0
-        attn = b.attention(
-            q, k_cache, v_cache, positions, scale, starts, at.window, spec.attn_softcap, ring,
-            offsets, one_sequence,
-        )  # fmt: skip
+        one_sequence, one_token_each = layout
+        reads = (starts, at.window, spec.attn_softcap, ring, offsets, one_sequence)
+        if spec.scale_q:  # q scaled after its rotation, then attended to unscaled
+            q = b.attention_inputs(q, k, v, biases, k_cache, v_cache, positions, slots, at.rope)
+            q = b.scale(q, spec.attn_scale)
+            attn = b.attention(q, k_cache, v_cache, positions, 1.0, *reads)
+        else:
+            attn = b.rope_attention(
+                q, k, v, biases, at.rope, slots, k_cache, v_cache, positions, spec.attn_scale,
+                *reads, one_token_each,
+            )  # fmt: skip
         if layer.attn_post_norm is None:
             return b.matmul_add(attn, layer.wo, x)
         return b.add(x, b.rms_norm(b.matmul(attn, layer.wo), layer.attn_post_norm, c.rms_eps))
