@@ -40,6 +40,10 @@ class Backend(ABC):
     # the block features (backends/block.py) beyond the llama block that this backend runs;
     # a model that needs another is refused at load
     features: frozenset[str] = frozenset()
+    # greedy decode steps one pass may chain, each step's pick run by the next without the
+    # host (run_chain): more than 1 where the host's turn between steps costs something
+    # beside a step (a CUDA graph's wait and the Python around it)
+    chain_steps: int = 1
 
     def use_on_this_thread(self) -> None:
         """Make the calling thread ready to run this backend's operations (settings that are
@@ -247,6 +251,21 @@ class Backend(ABC):
         if isinstance(out, tuple):
             return tuple(self.to_host(a) for a in out)
         return self.to_host(out)
+
+    def run_chain(self, owner, key, step, steps: int, *vectors) -> np.ndarray:
+        """`steps` greedy steps: step(*vectors) -> the most likely id of each token (int32
+        [n], on the backend), where vectors are (ids, positions, ..., moves) and after each
+        step its picks become the ids and positions move on by moves (1 for a real token, 0
+        for padding, whose position stays). Returns every step's picks on the host, int32
+        [steps, n]. A backend may capture step as run_step does, under the same rules, and
+        chain the replays on the device; the default runs the steps one by one."""
+        ids, positions, *others, moves = vectors
+        picked = []
+        for _ in range(steps):
+            ids = self.to_host(step(ids, positions, *others, moves)).astype(np.int32)
+            positions = positions + moves
+            picked.append(ids)
+        return np.stack(picked)
 
     # -- token selection ----------------------------------------------------------------------
 

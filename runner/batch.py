@@ -98,6 +98,11 @@ class Batch:
         return self._made()[5]
 
     @property
+    def caches(self) -> list[KVCache]:
+        """Each add()'s sequence, in order (a decode step's, row by row)."""
+        return [cache for cache, _ in self._undo]
+
+    @property
     def outputs(self) -> np.ndarray:  # int32 [m]: the rows whose logits are returned
         return self._made()[3]
 

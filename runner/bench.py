@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from fastrun.runner.batch import Batch
+
 
 def _fill(model, cache, depth: int, rng: np.random.Generator) -> None:
     """The emptied cache, then `depth` random tokens in it: the context a test runs after
@@ -30,15 +32,29 @@ def bench_prefill(model, cache, n_prompt: int, rng: np.random.Generator, depth: 
 
 
 def bench_decode(model, cache, n_gen: int, rng: np.random.Generator, depth: int = 0) -> float:
-    """Seconds to generate n_gen greedy tokens one at a time after `depth` cached ones
-    (llama-bench tg); the token is picked on the backend, as generation does."""
+    """Seconds to generate n_gen greedy tokens after `depth` cached ones (llama-bench tg), as
+    greedy generation runs them (greedy_decode)."""
     tf = model.transformer
     _fill(model, cache, depth, rng)
     token = int(rng.integers(0, tf.config.n_vocab))
     t0 = time.perf_counter()
-    for _ in range(n_gen):
-        token = int(tf.forward([token], cache, top_k=1)[0][-1, 0])
+    greedy_decode(tf, cache.cells, [cache], [token], n_gen)
     return time.perf_counter() - t0
+
+
+def greedy_decode(tf, cells, sequences: list, tokens: list[int], n: int) -> list[int]:
+    """n greedy tokens of each sequence after its token, each picked on the backend and, as
+    the engine does, up to the backend's chain_steps of them in one pass. Returns the last
+    picks."""
+    made = 0
+    while made < n:
+        steps = min(tf.backend.chain_steps, n - made)
+        batch = Batch()
+        for seq, token in zip(sequences, tokens, strict=True):
+            batch.add(seq, [token])
+        tokens = tf.run_chain(batch, cells, steps)[-1].tolist()
+        made += steps
+    return tokens
 
 
 def run_bench(

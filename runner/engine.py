@@ -344,6 +344,10 @@ class Engine:
         batch, rows = Batch(), []  # rows: (request, its first output's place, its Draft)
         budget = self.settings.batch_size
         decoding = self._ready_to_decode(budget)
+        steps = self._chain_length(decoding)
+        if steps > 1:
+            self._run_chain(decoding, steps)
+            return
         budget -= len(decoding)
         drafts = self.speculator.drafts(decoding, budget) if self.speculator and decoding else {}
         started = time.perf_counter()  # a step's cost, for speculation's plans: drafts apart
@@ -391,6 +395,41 @@ class Engine:
         if self.speculator is not None and only_decoding:
             self.speculator.step_done(batch.n, time.perf_counter() - started)
 
+    def _chain_length(self, decoding: list[Request]) -> int:
+        """Greedy steps this pass may chain on the backend (Transformer.run_chain): where
+        every sequence decodes and picks the argmax alone and nothing else runs (no drafts, no
+        prompt), the backend's number, or fewer where a sequence has room or budget for fewer;
+        else 1. A request that arrives meanwhile waits for the chain's end."""
+        steps = self.transformer.backend.chain_steps
+        alone = not (self.speculator or self._prefilling) and len(decoding) == len(self._decoding)
+        if steps <= 1 or not decoding or not alone:
+            return 1
+        for r in decoding:
+            if not r.sampler.argmax_only:
+                return 1
+            steps = min(steps, r.cache.free_slots, r.continuation.remaining)
+        return max(steps, 1)
+
+    def _run_chain(self, decoding: list[Request], steps: int) -> None:
+        """`steps` greedy steps of the decoding sequences in one pass; each request takes its
+        picks until its generation ends, and one that ends inside the chain keeps the cells a
+        step at a time would have left."""
+        batch = Batch()
+        for request in decoding:
+            batch.add(request.cache, [request.next_token])
+        try:
+            picked = self._timed(lambda: self.transformer.run_chain(batch, self.cells, steps))
+        except Exception as e:  # noqa: BLE001 - the requests of this pass end with it
+            for request in decoding:
+                self._cancel_with(request, e)
+            return
+        self.steps += steps
+        for request, ids in zip(decoding, picked.T, strict=True):
+            cache = request.cache
+            taken = self._emit(request, [(int(t), None) for t in ids])
+            if taken < steps:  # its last pick was never run, nor the ones after
+                cache.trim(cache.length - steps + taken)
+
     def _ready_to_decode(self, budget: int) -> list[Request]:
         """The decoding requests of this step (a full one shifts its context first)."""
         ready = []
@@ -413,9 +452,13 @@ class Engine:
         any that needs one, else the most candidates any of them asks for."""
         needs = [r.candidates for r in requests]
         top_k = 0 if 0 in needs or not needs else max(needs)
+        return self._timed(lambda: self.transformer.run(batch, self.cells, top_k))
+
+    def _timed(self, run_pass):
+        """run_pass(), its seconds counted as the backend's (pass_seconds)."""
         started = time.perf_counter()
         try:
-            return self.transformer.run(batch, self.cells, top_k)
+            return run_pass()
         finally:
             self.pass_seconds += time.perf_counter() - started
 
@@ -453,10 +496,10 @@ class Engine:
         self.speculator.rolled_back(request)
         self._emit(request, [(t, fulls[j]) for j, t in enumerate(kept)])
 
-    def _emit(self, request: Request, tokens: list) -> None:
+    def _emit(self, request: Request, tokens: list) -> int:
         """Hand sampled tokens (token, its whole row of logits or None) to the request's
-        continuation, up to the end of its generation."""
-        for token, full in tokens:
+        continuation, up to the end of its generation; returns how many it took."""
+        for taken, (token, full) in enumerate(tokens, 1):
             self.generated += 1
             logprobs = None
             if request.params.logprobs is not None and full is not None:
@@ -467,8 +510,9 @@ class Engine:
             if done:
                 self._decoding.remove(request)
                 self._finish(request)
-                return
+                return taken
             request.next_token = token
+        return len(tokens)
 
     def _make_room(self, request: Request) -> bool:
         """A full sequence: shift its context (drop half of what follows the kept start), or

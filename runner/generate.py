@@ -104,6 +104,11 @@ class Continuation:
         self.pending = ""  # decoded text not yet emitted: it may be the start of a stop string
         self.started = time.perf_counter()
 
+    @property
+    def remaining(self) -> int:
+        """Tokens the budget of max_tokens still allows."""
+        return self.params.max_tokens - len(self.out.tokens)
+
     def push(self, token: int, logprobs: np.ndarray | None = None) -> tuple[Token | None, bool]:
         out, params = self.out, self.params
         if not out.tokens:

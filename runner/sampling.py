@@ -74,6 +74,12 @@ class Sampler:
         k += len(self.banned)
         return k if 0 < k <= MAX_CANDIDATES and (p.temperature <= 0 or p.top_k > 0) else 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """The pick is the most likely token of the logits alone (greedy; no penalties, banned
+        ids or log-probabilities), so a backend may pick it and run it on without the host."""
+        return self.params.temperature <= 0 and self.candidates == 1
+
     def __call__(self, logits: np.ndarray | Candidates, history: list[int]) -> int:
         ids, probs = self.distribution(logits, history)
         if self.params.temperature <= 0:

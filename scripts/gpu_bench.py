@@ -70,7 +70,7 @@ def timed(fn, repeat: int = 3) -> float:
 def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int, depth: int) -> dict:
     from fastrun.backends import get_backend
     from fastrun.formats.gguf import GGUFFile
-    from fastrun.runner.batch import Batch
+    from fastrun.runner.bench import greedy_decode
     from fastrun.runner.models import model_class
 
     f = GGUFFile(str(path))
@@ -102,21 +102,20 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int, depth: int)
     prefill()  # compile and warm
     pp = n_prompt / timed(prefill)
 
-    def decode(cache, steps):  # greedy, the token picked on the device
-        token = 1
-        for _ in range(steps):
-            token = int(model.forward([token], cache, top_k=1)[0][-1, 0])
+    def decode(cache, steps):  # greedy, picked on the device, as generation runs them
+        greedy_decode(model, cache.cells, [cache], [1], steps)
 
-    cache = model.new_cache(depth + n_gen + 8)
+    room = depth + n_gen + model.backend.chain_steps + 8  # cells for the warm-up too
+    cache = model.new_cache(room)
     if context:
         model.forward(context, cache)
-    decode(cache, 2)  # capture the graph
+    decode(cache, model.backend.chain_steps + 1)  # capture the graphs
     length = cache.length
     cache.trim(length)
     tg = n_gen / timed(lambda: (cache.trim(length), decode(cache, n_gen)))
     out = {"pp": pp, "tg": tg, "weight_bytes": weight_bytes}
     if batch > 1:
-        cells = model.new_cells(batch, depth + n_gen + 8)
+        cells = model.new_cells(batch, room)
         for seq in cells.sequences:
             if context:
                 model.forward(context, seq)
@@ -125,14 +124,9 @@ def bench_fastrun(path: Path, n_prompt: int, n_gen: int, batch: int, depth: int)
 
         def decode_batch(steps):
             nonlocal tokens
-            for _ in range(steps):
-                step = Batch()
-                for seq, token in zip(cells.sequences, tokens, strict=True):
-                    step.add(seq, [token])
-                ids, _ = model.run(step, cells, top_k=1)
-                tokens = [int(t) for t in ids[:, 0]]
+            tokens = greedy_decode(model, cells, cells.sequences, tokens, steps)
 
-        decode_batch(2)
+        decode_batch(model.backend.chain_steps + 1)
 
         def run():
             for seq in cells.sequences:
@@ -156,6 +150,7 @@ def bench_engine(path: Path, n_gen: int, parallel: int, depth: int, rounds: int 
     m = Model(path, backend="cuda", n_ctx=depth + 2 * n_gen + 8, parallel=parallel)
     greedy = dict(temperature=0, ignore_eos=True)
     m.complete(context + [1], max_tokens=8, **greedy)  # warm-up; the context stays cached
+    m.complete(context + [1], max_tokens=8, temperature=0)  # and the top-1 pick's graphs
     plain = m.complete(context + [2], max_tokens=n_gen + 1, temperature=0)  # top-1 only
     before = m.stats()
     alone = m.complete(context + [2], max_tokens=n_gen + 1, **greedy)

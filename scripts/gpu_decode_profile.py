@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128, help="decode steps timed with the host")
     ap.add_argument("--replays", type=int, default=200, help="graph replays timed alone")
     ap.add_argument("--both", action="store_true", help="then again without PDL")
+    ap.add_argument("--chain", type=int, default=1, help="greedy steps chained (run_chain)")
+    ap.add_argument("--top-k", type=int, default=1, help="candidates the replayed step picks")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences decoded together")
     ap.add_argument("--model", type=Path, help="this GGUF file (else a random one of --shape)")
     ap.add_argument("--kernels", type=Path, help="print the table of an ncu CSV and stop")
@@ -90,46 +92,52 @@ def measure(model, backend, args, n_prompt: int, n_batch: int) -> None:
 
     from fastrun.runner.batch import Batch
 
-    n_ctx, prompt = n_prompt + args.steps + 8, list(range(1, n_prompt + 1))
-    if n_batch == 1:
-        cache = model.new_cache(n_ctx)
-        cells = cache.cells
-        model.forward(prompt, cache)
+    chain = args.chain
+    n_ctx, prompt = n_prompt + args.steps + chain + 8, list(range(1, n_prompt + 1))
+    cells = model.new_cells(n_batch, n_ctx)
+    for seq in cells.sequences:
+        model.forward(prompt, seq)
 
-        def step(tokens):
-            return model.forward(tokens, cache, top_k=1)[0][-1:, 0]
-    else:
-        cells = model.new_cells(n_batch, n_ctx)
-        for seq in cells.sequences:
-            model.forward(prompt, seq)
+    def batch_of(tokens):  # a token of each sequence
+        batch = Batch()
+        for seq, token in zip(cells.sequences, tokens, strict=True):
+            batch.add(seq, [token])
+        return batch
 
-        def step(tokens):
-            batch = Batch()
-            for seq, token in zip(cells.sequences, tokens, strict=True):
-                batch.add(seq, [token])
-            return model.run(batch, cells, top_k=1)[0][:, 0]
+    def step(tokens):  # `chain` greedy steps chained on the device
+        return model.run_chain(batch_of(tokens), cells, chain)[-1]
 
     tokens = step([1] * n_batch)  # eager run + capture
-    length = n_prompt + 1
+    length = n_prompt + chain
     cp.cuda.Device().synchronize()
     cp.cuda.nvtx.RangePush("decode")  # ncu --nvtx --nvtx-include decode/ profiles only this
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(args.steps // chain):
         tokens = step(tokens)
     host_s = time.perf_counter() - t0
     cp.cuda.nvtx.RangePop()
     pdl = backend.k.launch.enabled
     if args.steps:
-        per = host_s / args.steps
+        per = host_s / (args.steps // chain * chain)
         rate = n_batch / per
         print(
-            f"depth {n_prompt}, batch {n_batch}, pdl={pdl}: decode with the host {rate:.0f} "
-            f"tok/s ({per * 1e3:.3f} ms/step)"
+            f"depth {n_prompt}, batch {n_batch}, chain {chain}, pdl={pdl}: decode with the host"
+            f" {rate:.0f} tok/s ({per * 1e3:.3f} ms/step)"
         )
     if args.replays:
+        # one plain step's graph (a chain's, with its upload and download, at --top-k 1)
+        from fastrun.backends.cuda.graphs import ChainGraph
+
         for c in cells.sequences:
             c.trim(length)
-        graph = next(g for (owner, *_), g in backend._graphs.items() if owner == id(cells))
+        model.run(batch_of(tokens), cells, top_k=args.top_k)
+        for c in cells.sequences:
+            c.trim(length)
+        graph = next(
+            g
+            for (owner, kind, *_), g in backend._graphs.items()
+            if owner == id(cells) and kind is not ChainGraph
+        )
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record(graph.stream)
         for _ in range(args.replays):
@@ -137,7 +145,10 @@ def measure(model, backend, args, n_prompt: int, n_batch: int) -> None:
         stop.record(graph.stream)
         stop.synchronize()
         ms = cp.cuda.get_elapsed_time(start, stop) / args.replays
-        print(f"depth {n_prompt}, batch {n_batch}, pdl={pdl}: graph replay {ms:.3f} ms/step")
+        print(
+            f"depth {n_prompt}, batch {n_batch}, top-k {args.top_k}, pdl={pdl}: graph replay"
+            f" {ms:.3f} ms/step"
+        )
     cells.free()
 
 

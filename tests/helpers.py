@@ -183,3 +183,25 @@ def write_tiny_model(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def greedy_steps(model, cells, tokens: list[int], chains: list[int], chained: bool) -> list:
+    """Greedy steps of every sequence of cells after its token in tokens: for each n in
+    chains, n steps as one Transformer.run_chain (chained) or as n passes of run(top_k=1).
+    Returns each step's picks, a list per step."""
+    from fastrun.runner.batch import Batch
+
+    picks = []
+    for steps in chains:
+        for _ in range(1 if chained else steps):
+            batch = Batch()
+            for seq, token in zip(cells.sequences, tokens, strict=True):
+                batch.add(seq, [token])
+            if chained:
+                ids = model.run_chain(batch, cells, steps)
+                picks += ids.tolist()
+                tokens = ids[-1].tolist()
+            else:
+                tokens = model.run(batch, cells, top_k=1)[0][:, 0].tolist()
+                picks.append(tokens)
+    return picks

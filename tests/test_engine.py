@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import write_tiny_model
+from helpers import greedy_steps, write_tiny_model
 
 from fastrun.backends import get_backend
 from fastrun.formats import GGUFFile
@@ -207,3 +207,71 @@ def test_a_pass_that_wants_no_logits_computes_none(tiny_model):
         batch.add(cells.sequences[1], [8, 9], "none")
         assert tf.run(batch, cells) is None and not calls
         assert [s.length for s in cells.sequences] == [3, 2]
+
+
+def test_a_chain_of_greedy_steps_is_those_steps_one_at_a_time(tiny_model):
+    """Transformer.run_chain: each step's pick fed to the next on the backend gives the ids,
+    the cells' tokens and their keys and values of run(top_k=1) step by step, bit for bit."""
+    with GGUFFile(str(tiny_model)) as f:
+        tf = model_class(f.architecture)(f, get_backend("cpu"))
+        prompts = _prompts(np.random.default_rng(4), 3)
+        results = []
+        for chained in (False, True):
+            cells = tf.new_cells(3, 64)
+            for seq, p in zip(cells.sequences, prompts, strict=True):
+                tf.forward(p, seq)
+            picks = greedy_steps(tf, cells, [7, 8, 9], [5, 1, 3], chained)
+            k, v = (tf.backend.to_host(a) for a in (cells.k, cells.v))
+            results.append((picks, [s.tokens for s in cells.sequences], k, v))
+        (picks, held, k, v), (chain_picks, chain_held, chain_k, chain_v) = results
+        assert chain_picks == picks and chain_held == held
+        np.testing.assert_array_equal(chain_k, k)
+        np.testing.assert_array_equal(chain_v, v)
+
+
+def _spy(monkeypatch, owner, name: str, note) -> list:
+    """owner.name wrapped to record note(*its arguments) in the list returned."""
+    seen, original = [], getattr(owner, name)
+
+    def spied(*args):
+        seen.append(note(*args))
+        return original(*args)
+
+    monkeypatch.setattr(owner, name, spied)
+    return seen
+
+
+def test_the_engine_chains_greedy_steps_as_single_ones(tiny_model, monkeypatch):
+    """Chained steps (backend.chain_steps) give a greedy request the tokens, text and end of
+    single steps, also when a stop string or the budget ends it inside a chain, and leave
+    its cells as single steps do (the next prompt reuses as many); a sampling neighbour
+    turns chaining off and is unchanged."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 296, 12).tolist()
+    runs, stop = [], None
+    for chain in (1, 4):
+        m = Model(tiny_model, backend="cpu", n_ctx=96, parallel=2)
+        monkeypatch.setattr(m.engine.transformer.backend, "chain_steps", chain)
+        chains = _spy(monkeypatch, m.engine.transformer, "run_chain", lambda *a: a[2])
+        whole = m.complete(prompt, max_tokens=11, temperature=0)
+        stop = stop or whole.text[len(whole.text) // 2 :][:2]  # the single steps' own
+        stopped = m.complete(prompt, max_tokens=30, temperature=0, stop=[stop])
+        again = m.complete(prompt + stopped.tokens + [3], max_tokens=5, temperature=0)
+        streams = [
+            m.generate(prompt, max_tokens=9, temperature=0),
+            m.generate(prompt[:5], **_settings(1)),
+        ]
+        for s in streams:
+            for _ in s:
+                pass
+        m.close()
+        runs.append((whole, stopped, again, [s.completion.tokens for s in streams]))
+        assert all(2 <= c <= chain for c in chains) and len(chains) >= (chain > 1)  # 1: none
+    (whole, stopped, again, mixed), (c_whole, c_stopped, c_again, c_mixed) = runs
+    assert whole.finish_reason == c_whole.finish_reason == "length"
+    assert (c_whole.tokens, c_whole.text) == (whole.tokens, whole.text)
+    assert stopped.finish_reason == c_stopped.finish_reason == "stop"
+    assert (len(stopped.tokens) - 1) % 4 != 0  # inside a chain (the first: the prompt's pass)
+    assert (c_stopped.tokens, c_stopped.text) == (stopped.tokens, stopped.text)
+    assert c_again.prefilled_tokens == again.prefilled_tokens and c_again.tokens == again.tokens
+    assert c_mixed == mixed

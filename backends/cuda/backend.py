@@ -20,7 +20,7 @@ from cupy_backends.cuda.libs import cublas
 
 from fastrun.backends import block
 from fastrun.backends.base import Backend, RopeConfig, Weight
-from fastrun.backends.cuda.graphs import StepGraph, host_result
+from fastrun.backends.cuda.graphs import ChainGraph, StepGraph, host_result
 from fastrun.backends.cuda.launch import Launcher
 from fastrun.backends.cuda.weights import FLOAT_FORMATS, KERNEL_FORMATS, repack, with_slack
 from fastrun.backends.reference import rope_angles
@@ -160,6 +160,9 @@ ATTN_FEW_QUERIES, ATTN_FEW_CHUNK = 16, 32  # attn_few's most queries; rows a sta
 # tokens) 4.8 us and attn_few (8) 12.7 us a layer slower, more than rope_kv's launch.
 ROPE_IN_ATTENTION = int(os.environ.get("FASTRUN_ROPE_IN_ATTENTION", "1"))
 GRAPH_MAX_TOKENS = 64  # the largest decode step captured as a graph (step_size)
+# greedy decode steps chained on the device (Backend.chain_steps, run_chain): the host's turn
+# between steps (the wait, the Python around a step) is paid once for them (1: none chained)
+CHAIN_STEPS = max(1, int(os.environ.get("FASTRUN_CHAIN_STEPS", "8")))
 # steps of up to this many tokens are captured at their own size, not padded to a power of
 # two: a checking pass of 9 tokens computes 9, not 16 (0: powers of two throughout)
 GRAPH_EXACT = int(os.environ.get("FASTRUN_GRAPH_EXACT", "16"))
@@ -358,6 +361,7 @@ class CUDABackend(Backend):
 
     name = "cuda"
     features = frozenset(block.FEATURES)
+    chain_steps = CHAIN_STEPS
 
     def __init__(self, device: int = 0):
         self.device = device
@@ -922,8 +926,18 @@ class CUDABackend(Backend):
         """step(*vectors on the device) as a CUDA graph: captured on the first call for this
         owner (the KV cells, whose buffers the graph holds), key and shape of inputs (int32
         vectors: ids, positions, slots, starts), replayed after. Returns the host result(s)."""
+        return self._graph(StepGraph, owner, key, step, vectors)(*vectors)
+
+    def run_chain(self, owner, key, step, steps: int, *vectors) -> np.ndarray:
+        """Backend.run_chain: step's own graph, captured once more with the feed of its picks
+        to its inputs at its end, replayed `steps` times with no wait between."""
+        return self._graph(ChainGraph, owner, key, step, vectors)(steps, *vectors)
+
+    def _graph(self, kind: type[StepGraph], owner, key, step, vectors) -> StepGraph:
+        """The graph of this kind for (owner, key, shape of the vectors), captured on its
+        first call."""
         shape = (len(vectors), len(vectors[0]))
-        graph_key = (id(owner), key, shape)
+        graph_key = (id(owner), kind, key, shape)
         graph = self._graphs.get(graph_key)
         if graph is None or graph.owner() is not owner:
             # graphs of cells gone (a closed model's) give back their memory
@@ -934,5 +948,5 @@ class CUDABackend(Backend):
                 with self.k.launch.recording():
                     return step(*inputs)
 
-            graph = self._graphs[graph_key] = StepGraph(owner, recorded, *shape)
-        return graph(*vectors)
+            graph = self._graphs[graph_key] = kind(owner, recorded, *shape)
+        return graph

@@ -27,10 +27,15 @@ def host_result(a: np.ndarray, copy: bool = False) -> np.ndarray:
     return a.copy() if copy else a
 
 
+def _pinned(shape: tuple, dtype) -> np.ndarray:
+    """A host array in pinned memory (which graph copies may target)."""
+    size, dtype = int(np.prod(shape)), np.dtype(dtype)
+    pinned = cp.cuda.alloc_pinned_memory(size * dtype.itemsize)
+    return np.frombuffer(pinned, dtype, size).reshape(shape)
+
+
 def _pinned_like(a: cp.ndarray) -> np.ndarray:
-    """A host array of a's shape and type in pinned memory (which graph copies may target)."""
-    pinned = cp.cuda.alloc_pinned_memory(a.nbytes)
-    return np.frombuffer(pinned, a.dtype, a.size).reshape(a.shape)
+    return _pinned(a.shape, a.dtype)
 
 
 class StepGraph:
@@ -96,3 +101,50 @@ class StepGraph:
             self._download()
             self.graph = self.stream.end_capture()
         return result
+
+
+class ChainGraph(StepGraph):
+    """Greedy steps chained on the device: a step's graph that ends by writing its picks over
+    its own token ids and moving the positions on (the last input vector: 1 for a real token,
+    0 for padding), launched once a step with no wait between. Its inputs are uploaded once,
+    before the first launch, so the upload is not one of its nodes; each step's picks are
+    copied to the host after its launch. One capture serves chains of every length."""
+
+    def __init__(self, owner, step, k: int, n: int):
+        super().__init__(owner, step, k, n)
+        self.picks = np.empty((0, n), np.int32)  # pinned, a row per step; grows
+
+    def __call__(self, steps: int, *vectors) -> np.ndarray:
+        self.staged[...] = vectors
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
+        if self.graph is None:
+            self._capture()
+        if len(self.picks) < steps:
+            self.picks = _pinned((steps, self.shape[1]), np.int32)
+        rt, (picked,) = cp.cuda.runtime, self.outs
+        self._upload()
+        for row in self.picks[:steps]:
+            self.graph.launch(self.stream)
+            kind = rt.memcpyDeviceToHost
+            rt.memcpyAsync(row.ctypes.data, picked.data.ptr, row.nbytes, kind, self.stream.ptr)
+        self.stream.synchronize()
+        return self.picks[:steps].copy()
+
+    def _step_and_feed(self, inputs):
+        picked = self.step(*inputs)
+        inputs[0][...] = picked  # (int32, as the ids)
+        inputs[1] += inputs[-1]
+        return picked
+
+    def _capture(self):
+        inputs = [self.inputs[i] for i in range(self.shape[0])]
+        with self.stream, cp.cuda.using_allocator(self.pool.malloc):
+            # an eager step fills the pool (as StepGraph's); it writes the cells the first
+            # launch writes again, with the same values, and its picks are not kept
+            self._upload()
+            self._step_and_feed(inputs)
+            self.stream.begin_capture(_RELAXED)
+            picked = self._step_and_feed(inputs)
+            self.graph = self.stream.end_capture()
+        assert picked.dtype == cp.int32 and picked.shape == (self.shape[1],)
+        self.outs = (picked,)

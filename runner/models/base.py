@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +135,30 @@ def _caused_by_interrupt(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _step_vectors(where: tuple, n: int, size: int, cells: KVCells) -> tuple:
+    """A step's int32 vectors (ids, positions, starts, ring_starts, ...) padded from n to size
+    tokens with ones that write only the cells' scratch rows."""
+    vectors = tuple(np.zeros(size, np.int32) for _ in where)
+    for padded, vector in zip(vectors, where, strict=True):
+        padded[:n] = vector
+    vectors[2][n:], vectors[3][n:] = cells.pad_row, cells.ring_pad_row
+    return vectors
+
+
+@contextmanager
+def _finished_or_undone(batch: Batch):
+    """A pass's body: if it does not finish (an error, Ctrl-C), the caches must not claim its
+    tokens."""
+    try:
+        yield
+    except BaseException as e:
+        batch.rollback()
+        if isinstance(e, SystemError) and _caused_by_interrupt(e):
+            # Ctrl-C while a compiled kernel returns surfaces as SystemError
+            raise KeyboardInterrupt from None
+        raise
 
 
 class Layer:
@@ -332,7 +357,7 @@ class Transformer:
         run_step (a CUDA graph per step size; capture=False runs it eagerly), padded to its
         step_size with tokens that write only the cells' scratch row. A pass that does not
         finish (an error, Ctrl-C) leaves the caches as they were."""
-        try:
+        with _finished_or_undone(batch):
             n, outputs = batch.n, batch.outputs
             where = (batch.ids, batch.positions, batch.starts, batch.ring_starts, batch.offsets)
             layout = (batch.one_sequence, batch.one_token_each)
@@ -344,10 +369,7 @@ class Transformer:
                     return tuple(map(self.backend.to_host, out))
                 return self._vocabulary_wide(self.backend.to_host(out))
             size = self.backend.step_size(n)
-            vectors = tuple(np.zeros(size, np.int32) for _ in where)
-            for padded, vector in zip(vectors, where, strict=True):
-                padded[:n] = vector
-            vectors[2][n:], vectors[3][n:] = cells.pad_row, cells.ring_pad_row
+            vectors = _step_vectors(where, n, size, cells)
 
             def step(*vectors):  # on the backend's own int32 vectors (the graph's inputs)
                 return self._logits(vectors, cells, None, top_k, layout)
@@ -357,12 +379,35 @@ class Transformer:
             # one_sequence, rope_attention's one_token_each)
             out = self.backend.run_step(cells, (size, top_k, layout), step, *vectors)
             return tuple(a[:n] for a in out) if top_k else self._vocabulary_wide(out[:n])
-        except BaseException as e:  # the caches must not claim tokens of an unfinished pass
-            batch.rollback()
-            if isinstance(e, SystemError) and _caused_by_interrupt(e):
-                # Ctrl-C while a compiled kernel returns surfaces as SystemError
-                raise KeyboardInterrupt from None
-            raise
+
+    def run_chain(self, batch: Batch, cells: KVCells, steps: int) -> np.ndarray:
+        """`steps` greedy decode steps of a batch of one token per sequence, each step's most
+        likely tokens fed to the next on the backend (Backend.run_chain: on CUDA one step's
+        graph replayed `steps` times with no wait between, so the host's turn is paid once).
+        Returns the picked ids, int32 [steps, n]:
+        row i follows step i's tokens. Every sequence's cells then hold its token and the
+        first steps - 1 picked ones; the last picked one is the next to run. Bit for bit
+        `steps` passes of run(top_k=1)."""
+        if not (batch.is_decode and batch.one_token_each):
+            raise ValueError("a chain of steps takes one token of each sequence")
+        with _finished_or_undone(batch):
+            first = [cache.append([-1] * (steps - 1)) for cache in batch.caches]
+            n, layout = batch.n, (batch.one_sequence, True)
+            where = (batch.ids, batch.positions, batch.starts, batch.ring_starts, batch.offsets)
+            # and a vector of 1 for each real token, whose position moves on each step
+            moves = np.ones(n, np.int32)  # (padding's stays: it writes the scratch rows)
+            size = self.backend.step_size(n)
+            vectors = _step_vectors((*where, moves), n, size, cells)
+
+            def step(ids, positions, starts, ring_starts, offsets, moves):
+                where = (ids, positions, starts, ring_starts, offsets)
+                return self._logits(where, cells, None, 1, layout)[0].reshape(-1)
+
+            key = (size, 1, layout)  # a step's key: the CUDA backend captures it once more
+            picked = self.backend.run_chain(cells, key, step, steps, *vectors)[:, :n]
+            for cache, start, ids in zip(batch.caches, first, picked.T, strict=True):
+                cache.tokens[start : start + steps - 1] = ids[:-1].tolist()
+            return picked
 
     def _logits(self, where, cells: KVCells, outputs, top_k: int, layout=(False, False)):
         """Logits on the backend of the rows `outputs` (host int32; None: every row), or top_k's
