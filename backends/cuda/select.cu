@@ -1,9 +1,9 @@
 // Token selection on the device: the k largest logits of each row, best first and the lower
 // id first on ties, so that a decode step sends back k candidates instead of the whole row.
 //
-// Block (chunk, row) takes SELECT_CHUNK logits of its row and keeps its best k (a block-wide
-// argmax for k = 1, else a bitonic sort in shared memory); the last block of the row to finish
-// merges the chunks' candidates the same way and resets the row's ticket for the next launch.
+// Block (chunk, row) takes SELECT_CHUNK logits of its row and keeps its best k (k rounds of a
+// block-wide argmax); the last block of the row to finish merges the chunks' candidates the
+// same way and resets the row's ticket for the next launch.
 #include "launch.cuh"
 
 #define SELECT_CHUNK 4096
@@ -16,28 +16,8 @@ __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib)
     return va > vb || (va == vb && ia < ib);
 }
 
-// Sort sv/si [SELECT_CHUNK] best first (bitonic: every pair compared at each of 78 stages).
-__device__ void sort_block(float* sv, int* si) {
-    for (int size = 2; size <= SELECT_CHUNK; size <<= 1)
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int t = threadIdx.x; t < SELECT_CHUNK / 2; t += SELECT_THREADS) {
-                const int i = 2 * t - (t & (stride - 1)), j = i + stride;
-                const bool best_first = (i & size) == 0;  // this run's direction
-                if (ranks_before(sv[j], si[j], sv[i], si[i]) == best_first) {
-                    const float v = sv[i];
-                    const int id = si[i];
-                    sv[i] = sv[j];
-                    si[i] = si[j];
-                    sv[j] = v;
-                    si[j] = id;
-                }
-            }
-            __syncthreads();
-        }
-}
-
-// The best of (v, i) over the block, in (sv[0], si[0]).
-__device__ void argmax_block(float v, int i, float* sv, int* si) {
+// The best of (v, i) over the lanes of a warp, in every lane.
+__device__ __forceinline__ void warp_best(float& v, int& i) {
     for (int o = 16; o > 0; o >>= 1) {
         const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
         const int i2 = __shfl_xor_sync(0xffffffffu, i, o);
@@ -46,54 +26,67 @@ __device__ void argmax_block(float v, int i, float* sv, int* si) {
             i = i2;
         }
     }
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) {
+}
+
+// The best of (v, i) over the block, in (sv[0], si[0]) for every thread to read; sv, si hold
+// a pair per warp.
+__device__ void argmax_block(float v, int i, float* sv, int* si) {
+    warp_best(v, i);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) {
         sv[warp] = v;
         si[warp] = i;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < SELECT_THREADS / 32; ++w)
-            if (ranks_before(sv[w], si[w], v, i)) {
-                v = sv[w];
-                i = si[w];
-            }
-        sv[0] = v;
-        si[0] = i;
+    if (warp == 0) {
+        const bool held = lane < SELECT_THREADS / 32;
+        v = held ? sv[lane] : NEG_INF;
+        i = held ? si[lane] : 0x7fffffff;
+        warp_best(v, i);
+        if (lane == 0) {
+            sv[0] = v;
+            si[0] = i;
+        }
     }
     __syncthreads();
 }
 
-// Keep the best k of n (value, id) pairs given by get(e) into (out_v, out_i).
+// Keep the best k of n <= SELECT_CHUNK (value, id) pairs given by get(e) into (out_v, out_i),
+// best first: k rounds of a block-wide argmax, each over the pairs that rank after the one
+// the round before took. The pairs stay in registers; a bitonic sort of the whole chunk took
+// 78 barriers and about 30 us, rounds take two barriers each.
 template <class Get>
 __device__ void keep_best(Get get, int n, int k, float* sv, int* si, float* out_v, int* out_i) {
-    if (k == 1) {
-        float v = NEG_INF;
-        int id = 0x7fffffff;
-        for (int e = threadIdx.x; e < n; e += SELECT_THREADS) {
-            float ve;
-            int ie;
-            get(e, ve, ie);
-            if (ranks_before(ve, ie, v, id)) {
-                v = ve;
-                id = ie;
-            }
-        }
-        argmax_block(v, id, sv, si);
-    } else {
-        for (int e = threadIdx.x; e < SELECT_CHUNK; e += SELECT_THREADS) {
-            float ve = NEG_INF;
-            int ie = 0x7fffffff;
-            if (e < n) get(e, ve, ie);
-            sv[e] = ve;
-            si[e] = ie;
-        }
-        __syncthreads();
-        sort_block(sv, si);
+    constexpr int PER_THREAD = SELECT_CHUNK / SELECT_THREADS;
+    float v[PER_THREAD];
+    int id[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        const int e = threadIdx.x + j * SELECT_THREADS;
+        v[j] = NEG_INF;  // padding ranks last, as a missing candidate is reported
+        id[j] = 0x7fffffff;
+        if (e < n) get(e, v[j], id[j]);
     }
-    for (int e = threadIdx.x; e < k; e += SELECT_THREADS) {
-        out_v[e] = sv[e];
-        out_i[e] = si[e];
+    float taken_v = __int_as_float(0x7f800000);  // (+inf, -1) ranks before every pair
+    int taken_i = -1;
+    for (int r = 0; r < k; ++r) {
+        float best_v = NEG_INF;
+        int best_i = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j)
+            if (ranks_before(taken_v, taken_i, v[j], id[j]) &&
+                ranks_before(v[j], id[j], best_v, best_i)) {
+                best_v = v[j];
+                best_i = id[j];
+            }
+        argmax_block(best_v, best_i, sv, si);
+        taken_v = sv[0];
+        taken_i = si[0];
+        if (threadIdx.x == 0) {
+            out_v[r] = taken_v;
+            out_i[r] = taken_i;
+        }
+        __syncthreads();  // sv, si read by all before the next round writes them
     }
 }
 
@@ -103,8 +96,8 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
     top_k(const float* __restrict__ logits, int V, long long stride, int k, float* part_v,
           int* part_i, int* tickets, float* __restrict__ out_v, int* __restrict__ out_i) {
     pdl_start();
-    __shared__ float sv[SELECT_CHUNK];
-    __shared__ int si[SELECT_CHUNK];
+    __shared__ float sv[SELECT_THREADS / 32];
+    __shared__ int si[SELECT_THREADS / 32];
     __shared__ int last;
     const int chunk = blockIdx.x, chunks = gridDim.x, row = blockIdx.y;
     const int c0 = chunk * SELECT_CHUNK, n = min(SELECT_CHUNK, V - c0);
