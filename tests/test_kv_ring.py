@@ -6,7 +6,7 @@ of an 8-position window to one global; passes of at most 16 tokens, so rings of 
 
 import numpy as np
 import pytest
-from helpers import write_tiny_model
+from helpers import greedy_steps, write_tiny_model
 
 from fastrun.backends import get_backend
 from fastrun.formats import GGUFFile
@@ -127,6 +127,27 @@ def test_a_pass_larger_than_the_rings_admit_is_refused(gemma_path):
     with pytest.raises(FastrunError, match="take 16"):
         batch.add(cache, list(range(7)))
     assert cache.length == 10
+
+
+def test_greedy_chains_on_rings_are_single_steps(gemma_path):
+    """Transformer.run_chain across the rings' wrap (30 steps past a 20-token prompt, rings of
+    24 rows): the picks, tokens and every cell of single top-1 steps, bit for bit."""
+    tf = _transformer(gemma_path)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 296, 20).tolist(), rng.integers(0, 296, 9).tolist()]
+    results = []
+    for chained in (False, True):
+        cells = tf.new_cells(2, 128, PASS)
+        for seq, prompt in zip(cells.sequences, prompts, strict=True):
+            tf.forward(prompt, seq)
+        picks = greedy_steps(tf, cells, [3, 4], [8, 8, 8, 6], chained)
+        stores = [cells.k, cells.v, cells.ring_k, cells.ring_v]
+        results.append((picks, [s.tokens for s in cells.sequences], *map(np.array, stores)))
+    assert cells.ring == RING
+    single, chain = results
+    assert chain[:2] == single[:2]
+    for a, b in zip(chain[2:], single[2:], strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def _completions(path, prompts, **settings):
