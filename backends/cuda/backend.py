@@ -167,6 +167,7 @@ CHAIN_STEPS = max(1, int(os.environ.get("FASTRUN_CHAIN_STEPS", "8")))
 # two: a checking pass of 9 tokens computes 9, not 16 (0: powers of two throughout)
 GRAPH_EXACT = int(os.environ.get("FASTRUN_GRAPH_EXACT", "16"))
 SELECT_CHUNK, SELECT_MAX = 4096, 64  # logits per top_k block; the largest k (select.cu)
+SELECT_LISTS = 128  # the most chunks a row's merge takes (select.cu: 4 lists a lane)
 _i32 = np.int32
 # cuBLAS's enums for gemmEx (library_types.h, cublas_api.h)
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -696,7 +697,7 @@ class CUDABackend(Backend):
         logits = self._rows(logits)
         n, vocab = logits.shape
         chunks = (vocab + SELECT_CHUNK - 1) // SELECT_CHUNK
-        if k > SELECT_MAX or chunks * k > SELECT_CHUNK:
+        if k > SELECT_MAX or chunks * k > SELECT_CHUNK or chunks > SELECT_LISTS:
             return super().top_k(logits, k)
         if n > self._select_tickets.size:
             raise FastrunError(f"token selection over {n} rows at once is too many")

@@ -1,14 +1,16 @@
 // Token selection on the device: the k largest logits of each row, best first and the lower
 // id first on ties, so that a decode step sends back k candidates instead of the whole row.
 //
-// Block (chunk, row) takes SELECT_CHUNK logits of its row and keeps its best k (k rounds of a
-// block-wide argmax); the last block of the row to finish merges the chunks' candidates the
-// same way and resets the row's ticket for the next launch.
+// Block (chunk, row) takes SELECT_CHUNK logits of its row: each warp keeps the best k of its
+// share by k rounds of a warp-wide argmax (no barriers), and one warp merges the 16 sorted
+// lists. The last block of the row to finish merges the chunks' lists the same way and resets
+// the row's ticket for the next launch.
 #include "launch.cuh"
 
 #define SELECT_CHUNK 4096
 #define SELECT_THREADS 512
 #define SELECT_MAX 64  // largest k; chunks * k must not pass SELECT_CHUNK (backend.py checks)
+#define SELECT_LISTS_PER_LANE 4  // a merge takes at most 128 lists: chunks (backend.py checks)
 #define NEG_INF __int_as_float(0xff800000)
 
 // (va, ia) ranks before (vb, ib): larger value, then lower id. NaN ranks last (loaded as -inf).
@@ -28,35 +30,48 @@ __device__ __forceinline__ void warp_best(float& v, int& i) {
     }
 }
 
-// The best of (v, i) over the block, in (sv[0], si[0]) for every thread to read; sv, si hold
-// a pair per warp.
-__device__ void argmax_block(float v, int i, float* sv, int* si) {
-    warp_best(v, i);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) {
-        sv[warp] = v;
-        si[warp] = i;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const bool held = lane < SELECT_THREADS / 32;
-        v = held ? sv[lane] : NEG_INF;
-        i = held ? si[lane] : 0x7fffffff;
-        warp_best(v, i);
+// One warp: the best k of n_lists lists (list l: k pairs at lv, li + l * k in shared memory,
+// best first) into (out_v, out_i), a pair a round. Each lane offers the best unread head of its
+// lists (l = lane + 32 j) and the lane whose head the warp takes moves on in that list.
+__device__ void merge_lists(const float* lv, const int* li, int n_lists, int k, float* out_v,
+                            int* out_i) {
+    const int lane = threadIdx.x & 31;
+    int read[SELECT_LISTS_PER_LANE] = {};  // pairs taken from each of this lane's lists
+    for (int r = 0; r < k; ++r) {
+        float v = NEG_INF;  // (-inf, 0x7fffffff): a list's padding, and no list's head
+        int i = 0x7fffffff, from = -1;
+#pragma unroll
+        for (int j = 0; j < SELECT_LISTS_PER_LANE; ++j) {
+            const int l = lane + 32 * j;
+            if (l < n_lists && read[j] < k) {
+                const int at = l * k + read[j];
+                if (ranks_before(lv[at], li[at], v, i)) {
+                    v = lv[at];
+                    i = li[at];
+                    from = j;
+                }
+            }
+        }
+        float best_v = v;
+        int best_i = i;
+        warp_best(best_v, best_i);
+#pragma unroll
+        for (int j = 0; j < SELECT_LISTS_PER_LANE; ++j)  // ids are unique: one lane matches
+            if (j == from && v == best_v && i == best_i) ++read[j];
         if (lane == 0) {
-            sv[0] = v;
-            si[0] = i;
+            out_v[r] = best_v;
+            out_i[r] = best_i;
         }
     }
-    __syncthreads();
 }
 
 // Keep the best k of n <= SELECT_CHUNK (value, id) pairs given by get(e) into (out_v, out_i),
-// best first: k rounds of a block-wide argmax, each over the pairs that rank after the one
-// the round before took. The pairs stay in registers; a bitonic sort of the whole chunk took
-// 78 barriers and about 30 us, rounds take two barriers each.
+// best first: each warp its share's best k, by k rounds of a warp-wide argmax over the pairs
+// that rank after the one the round before took (kept in registers; no barriers), into wv, wi
+// [16 * k]; then warp 0 merges them. Block-wide rounds (two barriers each) took 0.7 us a round,
+// and a bitonic sort of the chunk, 78 barriers, about 30 us.
 template <class Get>
-__device__ void keep_best(Get get, int n, int k, float* sv, int* si, float* out_v, int* out_i) {
+__device__ void keep_best(Get get, int n, int k, float* wv, int* wi, float* out_v, int* out_i) {
     constexpr int PER_THREAD = SELECT_CHUNK / SELECT_THREADS;
     float v[PER_THREAD];
     int id[PER_THREAD];
@@ -67,6 +82,7 @@ __device__ void keep_best(Get get, int n, int k, float* sv, int* si, float* out_
         id[j] = 0x7fffffff;
         if (e < n) get(e, v[j], id[j]);
     }
+    const int warp = threadIdx.x >> 5;
     float taken_v = __int_as_float(0x7f800000);  // (+inf, -1) ranks before every pair
     int taken_i = -1;
     for (int r = 0; r < k; ++r) {
@@ -79,15 +95,16 @@ __device__ void keep_best(Get get, int n, int k, float* sv, int* si, float* out_
                 best_v = v[j];
                 best_i = id[j];
             }
-        argmax_block(best_v, best_i, sv, si);
-        taken_v = sv[0];
-        taken_i = si[0];
-        if (threadIdx.x == 0) {
-            out_v[r] = taken_v;
-            out_i[r] = taken_i;
+        warp_best(best_v, best_i);
+        taken_v = best_v;
+        taken_i = best_i;
+        if ((threadIdx.x & 31) == 0) {
+            wv[warp * k + r] = best_v;
+            wi[warp * k + r] = best_i;
         }
-        __syncthreads();  // sv, si read by all before the next round writes them
     }
+    __syncthreads();
+    if (warp == 0) merge_lists(wv, wi, SELECT_THREADS / 32, k, out_v, out_i);
 }
 
 // logits [n, V] (rows `stride` floats apart) -> out_v [n, k], out_i [n, k]; part_v, part_i
@@ -96,8 +113,8 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
     top_k(const float* __restrict__ logits, int V, long long stride, int k, float* part_v,
           int* part_i, int* tickets, float* __restrict__ out_v, int* __restrict__ out_i) {
     pdl_start();
-    __shared__ float sv[SELECT_THREADS / 32];
-    __shared__ int si[SELECT_THREADS / 32];
+    __shared__ float sv[SELECT_CHUNK];  // the warps' lists, then the chunks'
+    __shared__ int si[SELECT_CHUNK];
     __shared__ int last;
     const int chunk = blockIdx.x, chunks = gridDim.x, row = blockIdx.y;
     const int c0 = chunk * SELECT_CHUNK, n = min(SELECT_CHUNK, V - c0);
@@ -111,18 +128,18 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
     keep_best(from_logits, n, k, sv, si, part_v + part, part_i + part);
 
     __threadfence();  // this block's candidates are visible before its ticket is
-    __syncthreads();
+    __syncthreads();  // (and warp 0's merge has read sv, si)
     if (threadIdx.x == 0) last = atomicAdd(&tickets[row], 1) == chunks - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
     const long long base = (long long)row * chunks * k;
-    auto from_parts = [&](int e, float& v, int& id) {
-        v = __ldcg(&part_v[base + e]);
-        id = __ldcg(&part_i[base + e]);
-    };
-    __syncthreads();  // sv, si are reused
-    keep_best(from_parts, chunks * k, k, sv, si, out_v + (long long)row * k,
-              out_i + (long long)row * k);
+    for (int e = threadIdx.x; e < chunks * k; e += SELECT_THREADS) {
+        sv[e] = __ldcg(&part_v[base + e]);
+        si[e] = __ldcg(&part_i[base + e]);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32)
+        merge_lists(sv, si, chunks, k, out_v + (long long)row * k, out_i + (long long)row * k);
     if (threadIdx.x == 0) tickets[row] = 0;
 }
