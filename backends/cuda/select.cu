@@ -68,8 +68,9 @@ __device__ void merge_lists(const float* lv, const int* li, int n_lists, int k, 
 // Keep the best k of n <= SELECT_CHUNK (value, id) pairs given by get(e) into (out_v, out_i),
 // best first: each warp its share's best k, by k rounds of a warp-wide argmax over the pairs
 // that rank after the one the round before took (kept in registers; no barriers), into wv, wi
-// [16 * k]; then warp 0 merges them. Block-wide rounds (two barriers each) took 0.7 us a round,
-// and a bitonic sort of the chunk, 78 barriers, about 30 us.
+// [16 * k]; then warp 0 merges them. Measured on an H200 (BENCHMARKS.md): k = 40 costs about
+// 58 us a step more than k = 1 this way, 70 us by block-wide rounds (two barriers a round), and
+// 170 us by a bitonic sort of each chunk (78 barriers) and of the merge.
 template <class Get>
 __device__ void keep_best(Get get, int n, int k, float* wv, int* wi, float* out_v, int* out_i) {
     constexpr int PER_THREAD = SELECT_CHUNK / SELECT_THREADS;
