@@ -384,10 +384,9 @@ class Transformer:
         """`steps` greedy decode steps of a batch of one token per sequence, each step's most
         likely tokens fed to the next on the backend (Backend.run_chain: on CUDA one step's
         graph replayed `steps` times with no wait between, so the host's turn is paid once).
-        Returns the picked ids, int32 [steps, n]:
-        row i follows step i's tokens. Every sequence's cells then hold its token and the
-        first steps - 1 picked ones; the last picked one is the next to run. Bit for bit
-        `steps` passes of run(top_k=1)."""
+        Returns the picked ids, int32 [steps, n]: row i follows step i's tokens. Every
+        sequence's cells then hold its token and the first steps - 1 picked ones; the last
+        picked one is the next to run. Bit for bit `steps` passes of run(top_k=1)."""
         if not (batch.is_decode and batch.one_token_each):
             raise ValueError("a chain of steps takes one token of each sequence")
         with _finished_or_undone(batch):
