@@ -9,6 +9,7 @@ backend against the NumPy reference backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,12 +45,27 @@ class Backend(ABC):
     # host (run_chain): more than 1 where the host's turn between steps costs something
     # beside a step (a CUDA graph's wait and the Python around it)
     chain_steps: int = 1
+    # whether a token's numbers are the same in a pass of any size and company; where not
+    # (CUDA: prefill's fp16 products, the tensor-core kernels of a batch), the engine runs a
+    # prompt's last token in a pass of its own, as a decode step, so that a request alone
+    # gives the same tokens whether its prompt ran whole or from a reused prefix
+    batch_invariant: bool = True
 
     def use_on_this_thread(self) -> None:
         """Make the calling thread ready to run this backend's operations (settings that are
         per thread: the CPU's thread count, CUDA's current device). The thread that owns the
         backend (the engine's) calls it first."""
         return None
+
+    @contextmanager
+    def one_sequence(self, on: bool = True):
+        """Everything computed inside is a pass over one sequence's tokens (on; Batch.
+        one_sequence: a checking pass of speculation, a prompt's chunk). A backend whose
+        kernels give a token other bits in a pass of several tokens than in a one-token step
+        computes such a pass the step's way inside, so that greedy speculation picks plain
+        decoding's tokens (CUDA: passes of up to EXACT_PASS_TOKENS). The default does nothing:
+        the NumPy and CPU backends give a token the same numbers in a pass of any size."""
+        yield
 
     # -- data movement ----------------------------------------------------------------------
 

@@ -364,7 +364,10 @@ class Engine:
         for request in list(self._prefilling):
             if budget <= 0:
                 break
-            chunk, request.pending = request.pending[:budget], request.pending[budget:]
+            take = budget
+            if not self.transformer.backend.batch_invariant and len(request.pending) > 1:
+                take = min(budget, len(request.pending) - 1)  # the last id: a pass of its own
+            chunk, request.pending = request.pending[:take], request.pending[take:]
             budget -= len(chunk)
             self.prompt_tokens += len(chunk)
             only_decoding = False

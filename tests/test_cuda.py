@@ -173,24 +173,32 @@ def test_few_token_products_equal_each_token_alone(qtype, kernel, monkeypatch):
             np.testing.assert_array_equal(together[i], alone[0], err_msg=f"n={n}, token {i}")
 
 
-@pytest.mark.parametrize("dispatch", ["default", "exact", "long"])
-@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_0"), ("qwen2", "Q4_K")])
-def test_checking_pass_logits_equal_one_token_steps(tmp_path, monkeypatch, arch, qtype, dispatch):
-    """A pass of one sequence's 2..9 tokens (speculation's checking pass, captured) gives each
-    token the logits, bit for bit, of one-token steps: passes of up to SMALL_BATCH or CHAINS[1]
-    tokens by default (matvec_tile, matmul_chains), and of up to 16 with FASTRUN_EXACT_BATCH=16
-    (matmul_exact). A short cache: every pass's attention takes one split; "long": 600 cached
-    tokens in 1024 cells, which a pass of up to 4 tokens splits as a one-token step does."""
+@pytest.mark.parametrize("dispatch", ["default", "exact", "long", "off"])
+@pytest.mark.parametrize(
+    "arch, qtype, width", [("llama", "Q4_0", 256), ("qwen2", "Q4_K", 256), ("llama", "Q4_0", 288)]
+)
+def test_checking_pass_logits_equal_one_token_steps(
+    tmp_path, monkeypatch, arch, qtype, width, dispatch
+):
+    """A pass of one sequence's 2..16 tokens (speculation's checking pass, captured) gives
+    each token the logits, bit for bit, of one-token steps (EXACT_PASS_TOKENS): matvec_tile,
+    matmul_chains, matmul_exact, or for rows of no whole 8-group chunks (width 288) the dp4a
+    matvec, and attn_split split as a step's. "exact": FASTRUN_EXACT_BATCH=16 beside it;
+    "long": 600 cached tokens in 1024 cells (several splits); "off": FASTRUN_EXACT_PASSES=0,
+    where only passes of up to SMALL_BATCH or CHAINS[1] tokens are a step's."""
     import fastrun.backends.cuda.backend as cb
     from fastrun.backends import get_backend
 
     if dispatch == "exact":
         monkeypatch.setattr(cb, "EXACT_BATCH", 16)
-    largest = 9 if dispatch == "exact" else max(cb.SMALL_BATCH, cb.CHAINS[1])
-    path = write_tiny_model(tmp_path / "m.gguf", arch, qtype, 256, 512, 2, 4, 2, 300)
+    if dispatch == "off":
+        monkeypatch.setattr(cb, "EXACT_PASS_TOKENS", 0)
+    largest = max(cb.SMALL_BATCH, cb.CHAINS[1]) if dispatch == "off" else 16
+    path = write_tiny_model(tmp_path / "m.gguf", arch, qtype, width, 512, 2, 4, 2, 300)
     f = GGUFFile(str(path))
     model = model_class(f.architecture)(f, get_backend("cuda"))
-    prefix, drafts = [5, 17, 250, 3, 99], [140, 7, 8, 61, 2, 33, 200, 9, 4]
+    prefix = [5, 17, 250, 3, 99]
+    drafts = [140, 7, 8, 61, 2, 33, 200, 9, 4, 77, 150, 12, 290, 41, 66, 5]
     cells_size = 64
     if dispatch == "long":
         prefix = np.random.default_rng(1).integers(0, 300, 600).tolist()
@@ -207,6 +215,29 @@ def test_checking_pass_logits_equal_one_token_steps(tmp_path, monkeypatch, arch,
             batch.add(alone.sequences[0], [drafts[i]])
             step = model.run(batch, alone)
             np.testing.assert_array_equal(passed[i], step[0], err_msg=f"{n} tokens, token {i}")
+
+
+def test_a_request_alone_gives_the_same_numbers_from_a_reused_prefix(tmp_path):
+    """A greedy request alone gives the same tokens and log-probabilities, bit for bit,
+    whether its prompt runs whole (150 tokens: cuBLAS's fp16 products) or from the prefix
+    its previous run left: the prompt's last token always runs in a pass of its own, as a
+    decode step (Backend.batch_invariant is False here)."""
+    from fastrun.runner.api import Model
+
+    path = write_tiny_model(tmp_path / "m.gguf", "llama", "Q4_0", 256, 512, 2, 4, 2, 300)
+    rng = np.random.default_rng(11)
+    prompt, other = (rng.integers(0, 300, 150).tolist() for _ in range(2))
+    settings = dict(max_tokens=30, temperature=0, ignore_eos=True, logprobs=3)
+    m = Model(path, backend="cuda", n_ctx=512, parallel=1)
+    runs = []
+    for p in (prompt, prompt, other, prompt):  # whole, reused, whole (other took the cells)
+        stream = m.generate(p, **settings)
+        pieces = [(t.id, t.top_logprobs) for t in stream]
+        runs.append((pieces, stream.completion.prefilled_tokens))
+    m.close()
+    (whole, n0), (reused, n1), _, (again, n3) = runs
+    assert n0 == n3 == 150 and n1 == 1
+    assert whole == reused == again
 
 
 def test_engine_sequences_equal_their_solo_runs(tmp_path):

@@ -558,15 +558,34 @@ def test_cuda_greedy_speculation_equals_plain(tiny_model, draft_model, smollm2_p
         assert sum(c.drafted_tokens for c in got) > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["lookup", "draft"])
+def test_cuda_greedy_speculation_alone_is_plain_decoding(tiny_model, kind):
+    """A request alone: each checking pass is one sequence's, which CUDA computes bit for bit
+    as one-token steps (EXACT_PASS_TOKENS), so greedy speculation gives plain decoding's
+    tokens exactly, no near tie let through. The model drafting for itself is always right,
+    so its passes grow to the largest (matmul_exact's 9-16 tokens: rows of whole chunks)."""
+    _cuda()
+    prompts = [REPEATING, [7, 8, 9], list(range(20, 60))]
+    plain = Model(tiny_model, backend="cuda", n_ctx=256, parallel=1)
+    expect = [plain.complete(p, **LONG_GREEDY).tokens for p in prompts]
+    plain.close()
+    extra = dict(lookup=True) if kind == "lookup" else dict(draft=tiny_model)
+    m = Model(tiny_model, backend="cuda", n_ctx=256, parallel=1, **extra)
+    got = [m.complete(p, **LONG_GREEDY) for p in prompts]
+    m.close()
+    assert [c.tokens for c in got] == expect
+    assert sum(c.drafted_tokens for c in got) > 0
+
+
 def _equal_up_to_a_near_tie(model, prompt, tokens, wanted, tie=0.5):
     """Greedy tokens equal until the first position where the plain run's two best choices
-    lie within `tie`: CUDA's checking passes of 5 or more tokens multiply through the tensor-
-    core kernel, whose float sums differ from a one-token step's in the last bits (2e-7 of
-    the outputs), and each layer's 8-bit requantization carries that on: on SmolLM2 a 5-9
-    token pass's logits differ from one-token steps' by up to 0.4-1.0 (the largest over the
-    vocabulary; measured on the H200, 2026-12-02). FASTRUN_EXACT_BATCH=16 makes the products
-    exact (tests/test_cuda.py), but a long cache's attention may still split otherwise in a
-    pass than in a step."""
+    lie within `tie`: two requests side by side share passes of several sequences, which CUDA
+    multiplies through the tensor-core kernel and splits attention for as a batch (not a
+    one-token step's bits: a one-sequence pass only is exact, EXACT_PASS_TOKENS), and each
+    layer's 8-bit requantization carries the last bits on: on SmolLM2 a 5-9 token pass's
+    logits differed from one-token steps' by up to 0.4-1.0 (the largest over the vocabulary;
+    measured on the H200, 2026-12-02)."""
     same = next((i for i, (a, b) in enumerate(zip(tokens, wanted, strict=False)) if a != b), None)
     if same is None:
         assert len(tokens) == len(wanted)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -77,6 +78,15 @@ FEW_MMA_UNROLL = 4
 # EXACT_TUNING: "rounds of loads in flight a warp,blocks an SM must hold" (EXACT_ROUNDS,
 # EXACT_MIN_BLOCKS; 2 or 4 rounds, or one block, were slower).
 EXACT_BATCH = int(os.environ.get("FASTRUN_EXACT_BATCH", "0"))
+# A pass over one sequence's 2..EXACT_PASS_TOKENS tokens (Backend.one_sequence: speculation's
+# checking pass) computes every token's numbers bit for bit as a one-token step does, so that
+# greedy speculation gives plain decoding's tokens (issue #19): matvec_tile (2 tokens),
+# matmul_chains (3..8), matmul_exact (9..16) where rows hold whole 8-group chunks, else the
+# dp4a matvec (matvec_q, in matvec_q's order for any count of tokens); attention by
+# attn_split, each query split as a one-token step splits it. 0: the faster kernels of any
+# batch (matmul_mma from 5 tokens, attn_few), whose last bits differ from a step's: on the
+# real SmolLM2 two of four prompts then left plain decoding's greedy output (H200, 2026-12-04).
+EXACT_PASS_TOKENS = int(os.environ.get("FASTRUN_EXACT_PASSES", "16"))
 EXACT_TUNING = tuple(int(v) for v in os.environ.get("FASTRUN_EXACT", "1,2").split(","))
 # Products of CHAINS[0]..CHAINS[1] tokens (2..8 at most) take matmul_chains (matmul.cu):
 # matmul_mma's tensor-core pipeline with the float work in matvec_q's order, every token's
@@ -255,19 +265,23 @@ class _Kernels:
         return kernel
 
 
-def _tensor_cores(n: int, n_in: int) -> bool:
+def _tensor_cores(n: int, n_in: int, exact_pass: bool = False) -> bool:
     """Whether products of n tokens with rows of n_in weights take a tensor-core kernel,
-    whose activations are tiled (quantize.cuh); else a matvec or cuBLAS."""
-    if _exact(n) or _few_mma(n) or _chains(n, n_in):
+    whose activations are tiled (quantize.cuh); else a matvec or cuBLAS. exact_pass: the
+    products of a one-sequence pass (_exact_pass)."""
+    if _exact(n, n_in, exact_pass) or _few_mma(n) or _chains(n, n_in, exact_pass):
         return True
     if _takes_tile(n):
         return False
     return MATVEC_BATCH < n < DENSE_ROWS and n_in % (32 * MMA_ROW_GROUPS) == 0
 
 
-def _exact(n: int) -> bool:
-    """Whether a quantized product of n tokens takes matmul_exact (above matvec_tile's)."""
-    return max(SMALL_BATCH, 1) < n <= EXACT_BATCH
+def _exact(n: int, n_in: int, exact_pass: bool = False) -> bool:
+    """Whether a quantized product of n tokens takes matmul_exact (above matvec_tile's; in a
+    one-sequence pass, above matmul_chains' 8 tokens where rows hold whole chunks)."""
+    if max(SMALL_BATCH, 1) < n <= EXACT_BATCH:
+        return True
+    return exact_pass and 8 < n <= EXACT_PASS_TOKENS and n_in % (32 * MMA_ROW_GROUPS) == 0
 
 
 def exact_name(kernel_format: str, n: int) -> str:
@@ -283,10 +297,12 @@ def exact_launch(w: CUDAWeight, n: int):
     return exact_name(w.kernel_format, n), grid, (32 * EXACT_WARPS,)
 
 
-def _chains(n: int, n_in: int) -> bool:
-    """Whether a quantized product of n tokens with rows of n_in weights takes matmul_chains."""
-    fits = max(CHAINS[0], 2) <= n <= min(CHAINS[1], 8) and n_in % (32 * MMA_ROW_GROUPS) == 0
-    return fits and not _exact(n)
+def _chains(n: int, n_in: int, exact_pass: bool = False) -> bool:
+    """Whether a quantized product of n tokens with rows of n_in weights takes matmul_chains
+    (in a one-sequence pass: 3..8 tokens)."""
+    last = 8 if exact_pass and n <= EXACT_PASS_TOKENS else min(CHAINS[1], 8)
+    fits = max(CHAINS[0], 2) <= n <= last and n_in % (32 * MMA_ROW_GROUPS) == 0
+    return fits and not _exact(n, n_in, exact_pass)
 
 
 def _few_mma(n: int) -> bool:
@@ -363,6 +379,7 @@ class CUDABackend(Backend):
     name = "cuda"
     features = frozenset(block.FEATURES)
     chain_steps = CHAIN_STEPS
+    batch_invariant = False
 
     def __init__(self, device: int = 0):
         self.device = device
@@ -373,6 +390,7 @@ class CUDABackend(Backend):
         self.k = _Kernels()
         self._fused: dict[tuple[int, ...], CUDAWeight] = {}  # holds the fused members too
         self._rope_tables: dict[tuple, tuple] = {}
+        self._exact_pass = False  # inside one_sequence(): a one-sequence pass's products
         self._graphs: dict[tuple, StepGraph] = {}
         # per (query, head) counters of finished attention splits; the last block resets its
         # own, so they are zero between launches (one buffer for good: graphs hold its address)
@@ -380,6 +398,17 @@ class CUDABackend(Backend):
         self._select_tickets = cp.zeros(1 << 10, cp.int32)  # likewise, per row of top_k
         self._sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self._host_vectors: dict[bytes, cp.ndarray] = {}  # _ints, oldest first
+
+    @contextmanager
+    def one_sequence(self, on: bool = True):
+        """Backend.one_sequence: the products of a pass of 2..EXACT_PASS_TOKENS tokens take the
+        kernels that give each token a one-token step's bits (_exact_pass; the attention
+        knows from its own one_sequence argument)."""
+        before, self._exact_pass = self._exact_pass, on and EXACT_PASS_TOKENS > 1
+        try:
+            yield
+        finally:
+            self._exact_pass = before
 
     def use_on_this_thread(self):
         cp.cuda.Device(self.device).use()  # CuPy's current device is per thread
@@ -437,7 +466,7 @@ class CUDABackend(Backend):
         product of x takes that kernel."""
         n, k = x.shape
         if tiled is None:
-            tiled = _tensor_cores(n, k)
+            tiled = _tensor_cores(n, k, self._exact_pass)
         xq, xd, xs = _activation(n, k, tiled)
         args = (x, _i32(x.strides[0] // 4), _NULL if norm is None else norm, np.float64(eps))
         args += (_NULL, _i32(0)) if up is None else (up, _i32(up.strides[0] // 4))
@@ -487,11 +516,12 @@ class CUDABackend(Backend):
             kernel(grid, (256,), (w.planes[0], x, y, *args))
             return
         inputs = (*w.plane_args(), *act, y, *args)
-        if _exact(n):
+        exact_pass = self._exact_pass
+        if _exact(n, w.n_in, exact_pass):
             name, grid, block = exact_launch(w, n)
             self.k(name)(grid, block, inputs)
             return
-        if _chains(n, w.n_in):
+        if _chains(n, w.n_in, exact_pass):
             group_bytes = w.planes[0].nbytes // (w.n_out * (w.n_in // 32))  # of plane 0
             warps = 32 * group_bytes // MMA_CHUNK  # 32 chains, a chunk's groups a warp
             stages, shared = _mma_ring(w, warps, CHAIN_SM_WARPS)
@@ -515,7 +545,7 @@ class CUDABackend(Backend):
             name, grid, block, shared, stage = tile_launch(w, n, tile, warps, SMALL_STAGE)
             self.k(name)(grid, block, (*inputs, _i32(stage)), shared)
             return
-        if not _tensor_cores(n, w.n_in):
+        if not _tensor_cores(n, w.n_in, exact_pass):
             t = next((t for t in MATVEC_TOKENS if t >= n), MATVEC_TOKENS[-1])
             grid = ((w.n_out + MATVEC_ROWS - 1) // MATVEC_ROWS, (n + t - 1) // t)
             self.k(f"matvec_q<{w.kernel_format}, {t}>")(grid, (256,), inputs)
@@ -764,10 +794,13 @@ class CUDABackend(Backend):
         return self._attention(*args, ring, offsets, kind, inputs)
 
     def _attention_kind(self, n: int, hd: int, positions, one_sequence: bool) -> str:
-        """The kernel that takes attention of n queries: "tiles" (prefill), "few" (a checking
-        pass), "grouped" or "split"."""
+        """The kernel that takes attention of n queries: "tiles" (prefill), "exact" (a checking
+        pass: attn_split, each query split as a one-token step's), "few" (a checking pass,
+        with EXACT_PASS_TOKENS below it), "grouped" or "split"."""
         if n >= DENSE_ROWS and hd in ATTN_TILE_DIMS and not isinstance(positions, cp.ndarray):
             return "tiles"
+        if one_sequence and 1 < n <= EXACT_PASS_TOKENS:
+            return "exact"
         few = one_sequence and ATTN_ONE_SEQUENCE[0] <= n <= ATTN_FEW_QUERIES
         if few and hd in ATTN_TILE_DIMS and n < DENSE_ROWS:
             return "few"
@@ -811,6 +844,8 @@ class CUDABackend(Backend):
         splits = (longest + ATTN_MIN_SHARE - 1) // ATTN_MIN_SHARE
         if grouped:  # one block takes all n queries: the splits of a one-token step
             budget = ATTN_GROUP[1] * n
+        elif kind == "exact":  # each query split as a one-token step splits it
+            budget = ATTN_BLOCKS[0] * n
         else:
             budget = ATTN_FEW[1] if 1 < n <= ATTN_FEW[0] else ATTN_BLOCKS[n > 1]
         splits = max(1, min(splits, budget // (n * h), ATTN_MAX_SPLITS))
@@ -830,7 +865,7 @@ class CUDABackend(Backend):
         # a 32-block format (Q4_0 ... Q8_0); a kernel launch fewer per layer
         act = None
         if hd % 32 == 0 and n < DENSE_ROWS:
-            tiled = _tensor_cores(n, h * hd)
+            tiled = _tensor_cores(n, h * hd, self._exact_pass)
             act = _activation(n, h * hd, tiled)
             args += (*act, _i32(tiled))
         else:

@@ -414,6 +414,12 @@ class Transformer:
         the int32 vectors ids, positions, starts (each token's sequence's first full-context
         row), ring_starts (its first ring row) and offsets (its ring offset), on the host or
         the backend; layout: the pass's (Batch.one_sequence, Batch.one_token_each)."""
+        # one sequence's tokens: each token's numbers as a one-token step gives them
+        # (Backend.one_sequence), so a checking pass picks what plain decoding would
+        with self.backend.one_sequence(layout[0]):
+            return self._pass_logits(where, cells, outputs, top_k, layout)
+
+    def _pass_logits(self, where, cells: KVCells, outputs, top_k: int, layout):
         b, c = self.backend, self.config
         spec, stack = self.described(cells.n_ctx)
         ids, positions, starts, ring_starts, offsets = where
