@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument(
         "--dense-rows", type=int, nargs="+", help="each in turn as the cuBLAS threshold"
     )
+    ap.add_argument("--profile", type=int, default=0, help="then the host's top N functions")
     args = ap.parse_args()
 
     from helpers import write_tiny_model
@@ -80,6 +81,18 @@ def measure(model, prompt, args) -> None:
         f"{args.shape} {args.type} pp{args.n_prompt}: median {np.median(rates):.0f} tok/s "
         f"(each: {' '.join(f'{r:.0f}' for r in rates)})"
     )
+    if args.profile:  # where the host's time goes (a prefill of a small model is the host's)
+        import cProfile
+        import pstats
+
+        cache.trim(0)
+        cp.cuda.Device().synchronize()
+        profiler = cProfile.Profile()
+        profiler.runcall(model.forward, prompt, cache)
+        cp.cuda.Device().synchronize()
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(args.profile)
+        stats.sort_stats("cumulative").print_stats(args.profile)
     cache.free()
 
 
