@@ -153,6 +153,30 @@ def test_prefix_reuse_from_a_finished_and_from_a_live_sequence(tiny_model):
     assert done.prefilled_tokens == 2 and done.tokens == expect
 
 
+def test_a_prompt_s_last_token_runs_alone_where_the_backend_is_not_batch_invariant(
+    tiny_model, monkeypatch
+):
+    """Backend.batch_invariant False (CUDA's case): the engine runs a prompt's last token in
+    a pass of its own, so its logits are a decode step's whether the prompt ran whole or from
+    cached cells; the tokens are those of the CPU's usual passes."""
+    prompt = np.random.default_rng(4).integers(0, 296, 20).tolist()
+    expect = Model(tiny_model, backend="cpu", n_ctx=64, parallel=1).complete(
+        prompt, max_tokens=6, temperature=0
+    )
+    m = Model(tiny_model, backend="cpu", n_ctx=64, parallel=1)
+    transformer = m.engine.transformer
+    monkeypatch.setattr(transformer.backend, "batch_invariant", False)
+    passes = []
+    run = transformer.run
+    monkeypatch.setattr(
+        transformer, "run", lambda batch, *a: passes.append(batch.n) or run(batch, *a)
+    )
+    whole = m.complete(prompt, max_tokens=6, temperature=0)
+    cached = m.complete(prompt, max_tokens=6, temperature=0)
+    assert whole.tokens == cached.tokens == expect.tokens
+    assert passes[:2] == [19, 1] and cached.prefilled_tokens == 1
+
+
 def test_cancel_frees_the_sequence_and_the_queue_is_bounded(tiny_model):
     m = Model(tiny_model, backend="cpu", n_ctx=64, parallel=1, max_queue=1)
     running = m.generate([5, 6], **LONG)
