@@ -420,6 +420,7 @@ class Transformer:
             return self._pass_logits(where, cells, outputs, top_k, layout)
 
     def _pass_logits(self, where, cells: KVCells, outputs, top_k: int, layout):
+        """_logits' pass, inside the backend's one_sequence context."""
         b, c = self.backend, self.config
         spec, stack = self.described(cells.n_ctx)
         ids, positions, starts, ring_starts, offsets = where
