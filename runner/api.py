@@ -91,6 +91,7 @@ class Model:
         )  # fmt: skip
         self._speculative = SpeculativeSettings(draft_max, draft_min, draft_p_min)
         self._target_costs = PassCosts()  # a target pass's seconds, shared by every drafter
+        self._chained_costs = PassCosts()  # a chained greedy step's (Speculator.quiet_steps)
         self.draft_file = None
         self._draft_model = None  # the ModelDrafter, where a draft model was loaded
         if draft is not None:
@@ -119,7 +120,13 @@ class Model:
             drafter = self._draft_model
         else:  # lookup where it finds a match, the model elsewhere
             drafter = LookupThenModel(LookupDrafter(), self._draft_model)
-        return Speculator(drafter, self._speculative, self.config.n_vocab, self._target_costs)
+        return Speculator(
+            drafter,
+            self._speculative,
+            self.config.n_vocab,
+            self._target_costs,
+            self._chained_costs,
+        )
 
     def speculate(self, kind: str | None) -> None:
         """Speculation for the requests that follow: None (plain decoding), "lookup", "draft"

@@ -349,7 +349,16 @@ class Engine:
             self._run_chain(decoding, steps)
             return
         budget -= len(decoding)
-        drafts = self.speculator.drafts(decoding, budget) if self.speculator and decoding else {}
+        drafts = {}
+        if self.speculator is not None and decoding:
+            most = self._chain_length(decoding, speculating=True)
+            drafts = self.speculator.drafts(decoding, budget, chainable=most > 1)
+            steps = self.speculator.quiet_steps(decoding, most) if not drafts else 1
+            if steps > 1:  # none drafts: greedy steps chained, as plain decoding's
+                started = time.perf_counter()
+                if self._run_chain(decoding, steps):
+                    self.speculator.chained(decoding, steps, time.perf_counter() - started)
+                return
         started = time.perf_counter()  # a step's cost, for speculation's plans: drafts apart
         for request in decoding:
             draft = drafts.get(request)
@@ -398,13 +407,16 @@ class Engine:
         if self.speculator is not None and only_decoding:
             self.speculator.step_done(batch.n, time.perf_counter() - started)
 
-    def _chain_length(self, decoding: list[Request]) -> int:
+    def _chain_length(self, decoding: list[Request], speculating: bool = False) -> int:
         """Greedy steps this pass may chain on the backend (Transformer.run_chain): where
         every sequence decodes and picks the argmax alone and nothing else runs (no drafts, no
         prompt), the backend's number, or fewer where a sequence has room or budget for fewer;
-        else 1. A request that arrives meanwhile waits for the chain's end."""
+        else 1. A request that arrives meanwhile waits for the chain's end. speculating: the
+        number for a step in which speculation drafts nothing (else a speculator forbids
+        chains: its plans look at every step)."""
         steps = self.transformer.backend.chain_steps
-        alone = not (self.speculator or self._prefilling) and len(decoding) == len(self._decoding)
+        busy = self._prefilling or (self.speculator and not speculating)
+        alone = not busy and len(decoding) == len(self._decoding)
         if steps <= 1 or not decoding or not alone:
             return 1
         for r in decoding:
@@ -413,10 +425,10 @@ class Engine:
             steps = min(steps, r.cache.free_slots, r.continuation.remaining)
         return max(steps, 1)
 
-    def _run_chain(self, decoding: list[Request], steps: int) -> None:
+    def _run_chain(self, decoding: list[Request], steps: int) -> bool:
         """`steps` greedy steps of the decoding sequences in one pass; each request takes its
         picks until its generation ends, and one that ends inside the chain keeps the cells a
-        step at a time would have left."""
+        step at a time would have left. False where the pass failed (its requests ended)."""
         batch = Batch()
         for request in decoding:
             batch.add(request.cache, [request.next_token])
@@ -425,13 +437,14 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the requests of this pass end with it
             for request in decoding:
                 self._cancel_with(request, e)
-            return
+            return False
         self.steps += steps
         for request, ids in zip(decoding, picked.T, strict=True):
             cache = request.cache
             taken = self._emit(request, [(int(t), None) for t in ids])
             if taken < steps:  # its last pick was never run, nor the ones after
                 cache.trim(cache.length - steps + taken)
+        return True
 
     def _ready_to_decode(self, budget: int) -> list[Request]:
         """The decoding requests of this step (a full one shifts its context first)."""

@@ -43,6 +43,7 @@ from fastrun.runner.batch import MAX_STEP_TOKENS, Batch
 from fastrun.runner.sampling import Candidates, Sampler
 
 LOOKUP_NGRAMS = (4, 3, 2, 1)  # n-gram lengths prompt lookup matches, longest first
+WATCH_NGRAM = 3  # lookup matches this long keep the plans looking at every step (no chains)
 CONFIDENCE_CANDIDATES = 10  # draft tokens whose probabilities judge --draft-p-min
 VOCAB_SLACK = 128  # tokens a draft's vocabulary may have more or fewer than the target's
 WARM_UP_PASSES = 1  # passes of each size not measured (compilation, a CUDA graph's capture)
@@ -292,6 +293,7 @@ def plan_drafts(
     target: PassCosts,
     draft: PassCosts | None,
     min_speedup: float = MIN_SPEEDUP,
+    plain: float | None = None,
 ) -> list[int]:
     """How many tokens each sequence drafts this step.
 
@@ -302,9 +304,10 @@ def plan_drafts(
     seconds of target passes by tokens; draft: of draft passes (None: no draft model). The
     plan maximizes expected tokens per second (a draft model's passes batch the sequences
     that draft a j-th token); all zeros unless it beats plain decoding by `min_speedup`, or
-    while the cost of plain decoding is not known yet."""
-    plain = target.estimate(n_plain)
-    if not plain:
+    while the cost of plain decoding is not known yet. plain: the seconds of a step without
+    drafts where that is not target's pass of n_plain tokens (steps chained on the device)."""
+    plain = plain or target.estimate(n_plain)
+    if not plain or not target.estimate(n_plain):
         return [0] * len(offers)
     # drafted tokens in the order of their expected gain; any prefix is a plan
     gains = (
@@ -384,6 +387,7 @@ class SequenceState:
     index: NgramIndex | None = None
     sampler: Sampler | None = None
     offer: Draft | None = None  # lookup: the tokens proposed before the plan trims them
+    quiet: int = 0  # steps in a row without a draft of the plans (chained steps count each)
 
 
 class LookupDrafter:
@@ -417,6 +421,14 @@ class LookupDrafter:
 
     def most(self, state: SequenceState) -> int:
         return len(state.offer.tokens)
+
+    def watching(self, state: SequenceState) -> bool:
+        """Whether the plans should look at the sequence's next step, not chain past it: its
+        last WATCH_NGRAM tokens or more occurred before, where a copy may be starting (a
+        reply's story falling into a loop: chains of 8 steps past such matches cost SmolLM2
+        lookup a third of its gain in scripts/spec_replay.py)."""
+        offer = state.offer
+        return offer is not None and int(offer.label.removeprefix("lookup")) >= WATCH_NGRAM
 
     def draft(self, jobs) -> dict:
         return {request: Draft(st.offer.label, st.offer.tokens[:k]) for request, st, k in jobs}
@@ -458,6 +470,9 @@ class ModelDrafter:
 
     def most(self, state: SequenceState) -> int:
         return MAX_STEP_TOKENS - 1
+
+    def watching(self, state: SequenceState) -> bool:
+        return False
 
     def _cache(self, request):
         return self.cells.sequences[request.cache.index]
@@ -611,6 +626,9 @@ class LookupThenModel:
     def most(self, state: SequenceState) -> int:
         return (self.lookup if state.offer else self.model).most(state)
 
+    def watching(self, state: SequenceState) -> bool:
+        return self.lookup.watching(state)
+
     def draft(self, jobs) -> dict:
         by_lookup = [job for job in jobs if job[1].offer is not None]
         by_model = [job for job in jobs if job[1].offer is None]
@@ -671,7 +689,14 @@ class Speculator:
     """What the engine asks of speculation each step: drafts for its decoding sequences
     (planned by measured costs and acceptance), then what was kept of them."""
 
-    def __init__(self, drafter, settings: SpeculativeSettings, n_vocab: int, target_costs=None):
+    def __init__(
+        self,
+        drafter,
+        settings: SpeculativeSettings,
+        n_vocab: int,
+        target_costs: PassCosts | None = None,
+        chained_costs: PassCosts | None = None,
+    ):
         self.drafter = drafter
         self.settings = settings
         drafter.n_vocab = n_vocab
@@ -681,6 +706,10 @@ class Speculator:
             self.target_costs.share_load(drafter.costs)
         self.acceptance: dict[str, Acceptance] = {}  # over every sequence, by drafter label
         self.totals = SpeculativeTotals()
+        # seconds of one step of greedy steps chained on the device, by sequences: what a
+        # step without drafts costs where the engine can chain them (Backend.chain_steps)
+        self.chained_costs = chained_costs or PassCosts(clock=self.target_costs.clock)
+        self.target_costs.share_load(self.chained_costs)
 
     @property
     def kind(self) -> str:
@@ -695,9 +724,10 @@ class Speculator:
         prior = self.drafter.prior(label)
         return state.acceptance.setdefault(label, Acceptance()).rate(overall.rate(prior))
 
-    def drafts(self, requests: list, budget: int) -> dict:
+    def drafts(self, requests: list, budget: int, chainable: bool = False) -> dict:
         """Drafts for some of the decoding requests (each then runs 1 + len(draft) tokens);
-        budget: tokens the step may add."""
+        budget: tokens the step may add. chainable: steps without drafts would be chained
+        (quiet_steps), so drafts must beat a chained step's cost."""
         s = self.settings
         offers, labels = [], []
         for request in requests:
@@ -718,7 +748,10 @@ class Speculator:
             most = min(room, self.drafter.most(state))
             lead = self.drafter.lead(request, label)
             offers.append((self._rate(state, label), most, lead))
-        plan = plan_drafts(offers, len(requests), self.target_costs, self.drafter.costs)
+        plain = self.chained_costs.estimate(len(requests)) if chainable else None
+        plan = plan_drafts(
+            offers, len(requests), self.target_costs, self.drafter.costs, plain=plain
+        )
         jobs = []
         for request, label, k, offer in zip(requests, labels, plan, offers, strict=True):
             if label is None:
@@ -728,13 +761,45 @@ class Speculator:
             probing = request.speculation.probing.setdefault(self.kind, Probing())
             if k >= max(1, s.draft_min):
                 probing.drafting()
+                request.speculation.quiet = -1  # the plan drafts: quiet no more
             elif self._probe_now(probing, offer[2]):
                 k = max(1, s.draft_min)  # the plan declines: a one-token probe now and then
             else:
                 continue
             jobs.append((request, request.speculation, k))
         drafts = self.drafter.draft(jobs) if jobs else {}
-        return {r: d for r, d in drafts.items() if len(d.tokens) >= s.draft_min}
+        drafts = {r: d for r, d in drafts.items() if len(d.tokens) >= s.draft_min}
+        for request in requests:  # a probe leaves the count going
+            state = request.speculation
+            state.quiet = 0 if state.quiet < 0 else state.quiet + (request not in drafts)
+        return drafts
+
+    def quiet_steps(self, requests: list, most: int) -> int:
+        """After a step in which no sequence drafted: how many steps without drafts, that one
+        included, may run before the plans look again (the engine chains them on the device,
+        each cheaper than a step alone). As many as every sequence has gone without a draft
+        (a stretch that drafts do not fit tends to go on about as long as it has lasted, so
+        chains double: 1, 2, 4, 8 steps), up to `most` and to any sequence's next probe;
+        one step where a drafter is watching a sequence (lookup: a copy may be starting)."""
+        steps = most
+        for request in requests:
+            state = request.speculation
+            steps = min(steps, state.quiet)
+            if self.drafter.watching(state):
+                steps = 1
+            for probing in state.probing.values():
+                steps = min(steps, probing.wait - probing.declined)
+        return max(steps, 1)
+
+    def chained(self, requests: list, steps: int, seconds: float) -> None:
+        """`steps` greedy steps ran chained (quiet_steps); the first was this step's, the
+        rest count as declined steps too."""
+        for request in requests:
+            state = request.speculation
+            state.quiet += steps - 1
+            for probing in state.probing.values():
+                probing.declined += steps - 1
+        self.chained_costs.record(len(requests), seconds / steps)
 
     def _probe_now(self, probing: Probing, lead: int) -> bool:
         """A declined step: whether to probe the drafter. When its wait is up, if the probe is
@@ -760,6 +825,8 @@ class Speculator:
     def checked(self, request, draft: Draft, accepted: int) -> None:
         """A draft was checked; `accepted` of its tokens were right."""
         n = len(draft.tokens)
+        if accepted:  # a probe that was right: the plans look at the next steps again
+            request.speculation.quiet = 0
         request.speculation.acceptance[draft.label].record(n, accepted)
         self.acceptance[draft.label].record(n, accepted)
         self.totals.add(n, accepted)
@@ -785,7 +852,10 @@ class Speculator:
     def stats(self) -> dict:
         """Totals of drafts, and the measured milliseconds of a pass by its tokens (the
         target's and the draft model's) that the plans read."""
-        costs = {"target_pass_ms": self.target_costs.as_ms()}
+        costs = {
+            "target_pass_ms": self.target_costs.as_ms(),
+            "chained_step_ms": self.chained_costs.as_ms(),
+        }
         if self.drafter.costs is not None:
             costs["draft_pass_ms"] = self.drafter.costs.as_ms()
         return {"kind": self.kind, **self.totals.as_dict(), **costs}

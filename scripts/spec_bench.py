@@ -156,6 +156,7 @@ def run_fastrun(model, mode: str, text: str, n: int) -> dict:
     return {
         "target_pass_ms": costs.get("target_pass_ms"),
         "draft_pass_ms": costs.get("draft_pass_ms"),
+        "chained_step_ms": costs.get("chained_step_ms"),
         "tokens": len(done.tokens),
         "tps": done.decode_tps,
         "acceptance": done.acceptance_rate,
@@ -351,7 +352,8 @@ def main() -> int:
                 print_row({"round": r + 1, "prompt": p, "mode": mode, **result})
                 if result.get("target_pass_ms"):  # what the plans read: ms by pass tokens
                     print(f"    ms of target passes {result['target_pass_ms']}, of draft "
-                          f"passes {result['draft_pass_ms']}", flush=True)  # fmt: skip
+                          f"passes {result['draft_pass_ms']}, of chained steps "
+                          f"{result['chained_step_ms']}", flush=True)  # fmt: skip
     model.close()
 
     rows = summarize(runs, prompts, [*dict.fromkeys(ours), *llama])  # a mode twice: once

@@ -14,6 +14,7 @@ from helpers import write_tiny_model
 from fastrun.backends import get_backend
 from fastrun.formats import GGUFFile
 from fastrun.formats.errors import FastrunError
+from fastrun.runner import speculative
 from fastrun.runner.api import Model
 from fastrun.runner.models import model_class
 from fastrun.runner.sampling import Sampler, SamplingParams
@@ -106,6 +107,40 @@ def test_one_loaded_model_switches_drafters_between_requests(tiny_model, draft_m
     with pytest.raises(FastrunError, match="needs a draft model"):
         plain.speculate("draft")
     plain.close()
+
+
+@pytest.mark.parametrize("plans", ["decline", "as measured"])
+@pytest.mark.parametrize("drafter", ["lookup", "draft"])
+def test_steps_that_draft_nothing_run_chained_as_plain_decoding(
+    tiny_model, draft_model, monkeypatch, drafter, plans
+):
+    """On a backend that chains greedy steps (chain_steps 4 here, on the CPU), the steps a
+    speculating request drafts nothing for run chained, 2 then 4 at a time, between probes;
+    its tokens are plain decoding's, also where a chain ends inside a context shift's reach
+    and a draft model falls behind by whole chains."""
+    prompt = REPEATING + list(range(40, 60))
+    settings = dict(max_tokens=70, temperature=0)  # no banned ids: argmax alone
+    plain = Model(tiny_model, backend="cpu", n_ctx=64, parallel=1)
+    expect = plain.complete(prompt, **settings)
+    plain.close()
+    kind = dict(lookup=True) if drafter == "lookup" else dict(draft=draft_model)
+    m = Model(tiny_model, backend="cpu", n_ctx=64, parallel=1, **kind)
+    transformer = m.engine.transformer
+    monkeypatch.setattr(transformer.backend, "chain_steps", 4)
+    if plans == "decline":
+        monkeypatch.setattr(speculative, "plan_drafts", lambda offers, *a, **k: [0] * len(offers))
+    chains, run_chain = [], transformer.run_chain
+    monkeypatch.setattr(
+        transformer, "run_chain", lambda b, c, steps: chains.append(steps) or run_chain(b, c, steps)
+    )
+    done = m.complete(prompt, **settings)
+    stats = m.stats()["speculative"]
+    m.close()
+    assert done.tokens == expect.tokens and done.context_shifts == expect.context_shifts > 0
+    if plans == "decline":
+        assert chains[:2] == [2, 4] and stats["rounds"] >= 2  # probes go on between chains
+        assert stats["chained_step_ms"]
+    assert all(2 <= c <= 4 for c in chains)
 
 
 def test_greedy_speculation_past_the_context_and_with_stops(tiny_model, draft_model):
@@ -363,11 +398,14 @@ class _Request:
 
 
 class _AlwaysOffers(LookupDrafter):
+    def __init__(self, label="lookup4"):
+        self.label = label
+
     def start(self, request, state):
         pass
 
     def offer(self, request, state, most):
-        state.offer = Draft("lookup4", [1] * most)
+        state.offer = Draft(self.label, [1] * most)
         return state.offer.label
 
 
@@ -390,6 +428,56 @@ def test_speculator_stops_drafting_when_drafts_fail_and_keeps_on_when_they_succe
         assert sum(sizes) < 25 and max(late) <= 1 and sum(late) <= 5
     else:
         assert min(late) >= 8
+
+
+def test_steps_without_drafts_chain_ever_longer_up_to_the_next_probe():
+    """Where the engine chains greedy steps: after a step that drafts nothing, as many steps
+    without drafts may run as the sequence has gone without one (1, 2, 4, then the most),
+    never past its next probe, which comes after as many tokens as without chains; a plan
+    must then beat a chained step, not a step alone."""
+    target = _costs(lambda n: 0.010 + 0.004 * (n - 1))  # a GPU: 2 tokens 1.4 steps
+    chained = _costs(lambda n: 0.006)  # a chained step: 0.6 of a step alone
+    assert plan_drafts([(0.6, 15, 0)], 1, target, None)[0] > 0
+    assert plan_drafts([(0.6, 15, 0)], 1, target, None, plain=chained.estimate(1)) == [0]
+
+    def run(chains: bool, drafter=None) -> list:
+        spec = Speculator(
+            drafter or _AlwaysOffers("lookup1"), SpeculativeSettings(draft_max=15), 300,
+            _costs(target.estimate), chained_costs=_costs(chained.estimate),
+        )  # fmt: skip
+        request = _Request()
+        spec.start(request)
+        steps = []  # per step: -k a draft of k (never right), else the steps run
+        while sum(abs(s) or 1 for s in steps) < 400:
+            draft = spec.drafts([request], budget=511, chainable=chains).get(request)
+            if draft is not None:
+                spec.checked(request, draft, 0)
+                steps.append(-len(draft.tokens))
+                continue
+            n = spec.quiet_steps([request], 8 if chains else 1)
+            if n > 1:
+                spec.chained([request], n, n * 0.006)
+            steps.append(n)
+        return steps
+
+    alone, chained_run = run(False), run(True)
+    assert max(alone) == 1 and max(chained_run) == 8
+    probes = [s for s in chained_run if s < 0]
+    assert probes and probes[-1] == -1  # never right: one-token probes at the end
+
+    def probe_tokens(steps):  # where each late probe comes, in tokens decoded
+        at, where = 0, []
+        for s in steps:
+            if s == -1:
+                where.append(at)
+            at += 1 if s < 0 else s
+        return where[-3:]
+
+    gaps = np.diff(probe_tokens(chained_run))
+    assert list(gaps) == list(np.diff(probe_tokens(alone)))  # chains do not delay probes
+    assert chained_run[1:4] == [1, 2, 4]  # after the first probe (at once)
+    assert chained_run.count(1) == 1  # a failed probe does not start the count again
+    assert max(run(True, _AlwaysOffers("lookup3"))) == 1  # a copy may start: no chains
 
 
 def test_ngram_index_proposes_what_followed_the_latest_match():
