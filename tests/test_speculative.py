@@ -143,6 +143,34 @@ def test_steps_that_draft_nothing_run_chained_as_plain_decoding(
     assert all(2 <= c <= 4 for c in chains)
 
 
+def test_sequences_that_draft_nothing_chain_together(tiny_model, monkeypatch):
+    """Three greedy sequences at once, the plans declining: their steps chain together (the
+    shortest stretch of any decides), each sequence's tokens its own run's alone."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 296, n).tolist() for n in (9, 20, 14)]
+    settings = [dict(max_tokens=n, temperature=0) for n in (40, 25, 33)]
+    plain = Model(tiny_model, backend="cpu", n_ctx=96, parallel=1)
+    expect = [plain.complete(p, **s).tokens for p, s in zip(prompts, settings, strict=True)]
+    plain.close()
+    m = Model(tiny_model, backend="cpu", n_ctx=96, parallel=3, lookup=True)
+    transformer = m.engine.transformer
+    monkeypatch.setattr(transformer.backend, "chain_steps", 4)
+    monkeypatch.setattr(speculative, "plan_drafts", lambda offers, *a, **k: [0] * len(offers))
+    sizes, run_chain = [], transformer.run_chain
+    monkeypatch.setattr(
+        transformer,
+        "run_chain",
+        lambda b, c, steps: sizes.append(len(b.caches)) or run_chain(b, c, steps),
+    )
+    streams = [m.generate(p, **s) for p, s in zip(prompts, settings, strict=True)]
+    for stream in streams:
+        for _ in stream:
+            pass
+    m.close()
+    assert [s.completion.tokens for s in streams] == expect
+    assert 3 in sizes
+
+
 def test_greedy_speculation_past_the_context_and_with_stops(tiny_model, draft_model):
     """Context shifts (the draft's cells shift too), max_tokens and stop strings cut a run of
     accepted tokens where plain decoding stops."""
