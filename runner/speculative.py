@@ -169,6 +169,20 @@ class PassCosts:
         self.unknown = unknown  # the estimate while nothing is measured (None: no estimate)
         self.clock = clock
         self.peers: list[PassCosts] = []  # other passes on this machine: its load is theirs
+        self.first: dict[int, float] = {}  # seconds of each size's first pass
+
+    def one_time(self, n: int) -> float:
+        """Seconds a size never run costs once beyond its pass (a CUDA graph's capture: tens
+        of ms, dozens of a small model's steps): the median of what the first passes of the
+        sizes measured since cost beyond their later ones; 0 for a size that ran."""
+        if self.seen[n]:
+            return 0.0
+        surplus = sorted(
+            max(first - self.seconds[m], 0.0)
+            for m, first in self.first.items()
+            if m in self.seconds
+        )
+        return surplus[len(surplus) // 2] if surplus else 0.0
 
     def share_load(self, other: PassCosts) -> None:
         if other is not self and other not in self.peers:
@@ -181,6 +195,8 @@ class PassCosts:
 
     def record(self, n: int, seconds: float) -> None:
         self.seen[n] += 1
+        if self.seen[n] == 1:
+            self.first[n] = seconds
         if self.seen[n] <= WARM_UP_PASSES:
             return
         old = self.seconds.get(n)
@@ -294,6 +310,7 @@ def plan_drafts(
     draft: PassCosts | None,
     min_speedup: float = MIN_SPEEDUP,
     plain: float | None = None,
+    horizon: float = float("inf"),
 ) -> list[int]:
     """How many tokens each sequence drafts this step.
 
@@ -305,7 +322,11 @@ def plan_drafts(
     plan maximizes expected tokens per second (a draft model's passes batch the sequences
     that draft a j-th token); all zeros unless it beats plain decoding by `min_speedup`, or
     while the cost of plain decoding is not known yet. plain: the seconds of a step without
-    drafts where that is not target's pass of n_plain tokens (steps chained on the device)."""
+    drafts where that is not target's pass of n_plain tokens (steps chained on the device).
+    horizon: the tokens over which a size's one-time cost (PassCosts.one_time, a graph's
+    capture) is spread: the sequences' tokens so far, as a reply tends to go on about as long
+    as it has lasted (a short reply on a fresh process does not pay for captures that a long
+    one, or the requests after it, would)."""
     plain = plain or target.estimate(n_plain)
     if not plain or not target.estimate(n_plain):
         return [0] * len(offers)
@@ -326,7 +347,9 @@ def plan_drafts(
             before = draft_pass[j]
             draft_pass[j] += lead if j == 1 else 1
             drafting += (draft.estimate(draft_pass[j]) or 0.0) - (draft.estimate(before) or 0.0)
-        rate = (n_plain + gain) / (target.estimate(n_plain + i) + drafting)
+        # over the horizon's tokens, this size's one-time cost is paid per token
+        once = target.one_time(n_plain + i) * (n_plain + gain) / horizon
+        rate = (n_plain + gain) / (target.estimate(n_plain + i) + drafting + once)
         if rate > best_rate:
             best_rate, best = rate, i
     plan = [0] * len(offers)
@@ -749,9 +772,9 @@ class Speculator:
             lead = self.drafter.lead(request, label)
             offers.append((self._rate(state, label), most, lead))
         plain = self.chained_costs.estimate(len(requests)) if chainable else None
-        plan = plan_drafts(
-            offers, len(requests), self.target_costs, self.drafter.costs, plain=plain
-        )
+        horizon = self._horizon(requests)
+        costs = self.target_costs, self.drafter.costs
+        plan = plan_drafts(offers, len(requests), *costs, plain=plain, horizon=horizon)
         jobs = []
         for request, label, k, offer in zip(requests, labels, plan, offers, strict=True):
             if label is None:
@@ -762,7 +785,7 @@ class Speculator:
             if k >= max(1, s.draft_min):
                 probing.drafting()
                 request.speculation.quiet = -1  # the plan drafts: quiet no more
-            elif self._probe_now(probing, offer[2]):
+            elif self._probe_now(probing, offer[2], len(requests), horizon):
                 k = max(1, s.draft_min)  # the plan declines: a one-token probe now and then
             else:
                 continue
@@ -801,26 +824,39 @@ class Speculator:
                 probing.declined += steps - 1
         self.chained_costs.record(len(requests), seconds / steps)
 
-    def _probe_now(self, probing: Probing, lead: int) -> bool:
+    @staticmethod
+    def _horizon(requests: list) -> float:
+        """Tokens over which a one-time cost is spread (plan_drafts): the fewest any of the
+        sequences has generated so far (at least one)."""
+        return float(max(1, min(len(r.completion.tokens) for r in requests)))
+
+    def _probe_now(self, probing: Probing, lead: int, n_plain: int = 1, horizon=1.0) -> bool:
         """A declined step: whether to probe the drafter. When its wait is up, if the probe is
         cheap; and a draft model is probed at the last step its probe is still cheap (it falls
         a token further behind each step), so that a reply whose first drafts failed (an
         explanation before the code) still finds the drafts that pay later."""
         due = probing.due()
-        if not self._cheap_probe(lead):
+        once = self.target_costs.one_time(n_plain + 1) * n_plain / horizon  # a size never run
+        if not self._cheap_probe(lead, once):
             return False
         # two tokens short of dear: the costs drift from step to step
         return due or (lead > 0 and not self._cheap_probe(lead + 2))
 
-    def _cheap_probe(self, lead: int) -> bool:
+    def _cheap_probe(self, lead: int, once: float = 0.0) -> bool:
         """Whether a one-token probe costs at most PROBE_COST_MAX plain steps beyond its own
         step: a draft model that fell far behind must first read every token it missed, so
-        a drafter declined for long stays off for the rest of the request."""
+        a drafter declined for long stays off for the rest of the request; `once`: its
+        share of a size's one-time cost (plan_drafts' horizon), which this request alone
+        pays, so held to PROBE_COST_MAX times less."""
         one = self.target_costs.estimate(1)
-        if not lead or not one:
+        if not one:  # no step measured yet: whether a new size costs a capture is not known
+            return False
+        if not (lead or once):
             return True
         extra = (self.target_costs.estimate(2) or one) - one
-        return (self.drafter.costs.estimate(lead) or 0.0) + extra <= PROBE_COST_MAX * one
+        catch_up = (self.drafter.costs.estimate(lead) or 0.0) if lead else 0.0
+        held = PROBE_COST_MAX * once if once else 0.0
+        return catch_up + extra + held <= PROBE_COST_MAX * one
 
     def checked(self, request, draft: Draft, accepted: int) -> None:
         """A draft was checked; `accepted` of its tokens were right."""

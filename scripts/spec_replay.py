@@ -84,8 +84,17 @@ class ReplayRequest:
     speculation: object = None
 
 
-def replay(spec, clock: Clock, costs: CostTable, chained_ms: float, prompt, reply, chain_steps):
-    """One request's decode through the plans: seconds from its first token to its last."""
+def replay(spec, clock: Clock, costs: CostTable, chained_ms: float, prompt, reply, chain_steps,
+           captured: set, capture_ms: float = 0.0):  # fmt: skip
+    """One request's decode through the plans: seconds from its first token to its last.
+    captured: the pass sizes ("chain": the chain's) run before, in this process; a size's
+    first pass costs capture_ms more (a CUDA graph's capture)."""
+
+    def capture(size) -> float:
+        new = size not in captured
+        captured.add(size)
+        return capture_ms / 1e3 if new else 0.0
+
     request = ReplayRequest(list(prompt), Params(max_tokens=len(reply) + 1))
     spec.start(request)
     request.completion.tokens.append(reply[0])  # the prompt's pass gave the first
@@ -103,12 +112,12 @@ def replay(spec, clock: Clock, costs: CostTable, chained_ms: float, prompt, repl
             if chain_steps > 1:
                 steps = spec.quiet_steps([request], min(chain_steps, len(reply) - done))
             if steps > 1:
-                seconds = steps * chained_ms / 1e3
+                seconds = steps * chained_ms / 1e3 + capture("chain")
                 clock.now += seconds
                 spec.chained([request], steps, seconds)
                 chains += 1
             else:
-                seconds = costs.seconds(1)
+                seconds = costs.seconds(1) + capture(1)
                 clock.now += seconds
                 spec.step_done(1, seconds)
             request.completion.tokens.extend(reply[done : done + steps])
@@ -120,7 +129,7 @@ def replay(spec, clock: Clock, costs: CostTable, chained_ms: float, prompt, repl
             and draft.tokens[accepted] == truth[accepted]
         ):
             accepted += 1
-        seconds = costs.seconds(1 + len(draft.tokens))
+        seconds = costs.seconds(1 + len(draft.tokens)) + capture(1 + len(draft.tokens))
         clock.now += seconds
         spec.checked(request, draft, accepted)
         spec.step_done(1 + len(draft.tokens), seconds)
@@ -137,9 +146,9 @@ def replay(spec, clock: Clock, costs: CostTable, chained_ms: float, prompt, repl
     }
 
 
-def plain_seconds(costs: CostTable, chained_ms: float, reply, chain_steps: int) -> float:
+def plain_seconds(costs: CostTable, chained_ms: float, reply, chain_steps: int, captures: int):
     steps = len(reply) - 1
-    return steps * (chained_ms / 1e3 if chain_steps > 1 else costs.seconds(1))
+    return steps * (chained_ms / 1e3 if chain_steps > 1 else costs.seconds(1)) + captures
 
 
 def model_replies(name: str, n: int, threads: int) -> dict:
@@ -175,6 +184,8 @@ def main() -> int:
     ap.add_argument("--chain-steps", type=int, default=8, help="1: no chains (the CPU)")
     ap.add_argument("--rounds", type=int, default=4, help="each prompt's requests in turn")
     ap.add_argument("--draft-max", type=int, default=15)
+    ap.add_argument("--capture", type=float, default=0.0, help="ms of a size's first pass more")
+    ap.add_argument("--cold", action="store_true", help="each request a fresh process")
     args = ap.parse_args()
     if args.model:
         replies = model_replies(args.model, args.tokens, args.threads)
@@ -186,19 +197,21 @@ def main() -> int:
         sys.exit("--model or --replies")
     costs = CostTable(args.costs)
     clock = Clock()
-    target, chained = PassCosts(clock=clock), PassCosts(clock=clock)
+    target, chained, captured = PassCosts(clock=clock), PassCosts(clock=clock), set()
     print(f"{'round':>5} {'prompt':<12} {'tokens':>6} {'vs plain':>8} {'accepted':>8} "
           f"{'rounds':>6} {'chains':>6} {'plan ms':>7}")  # fmt: skip
     for r in range(args.rounds):
         for name, item in replies.items():
             # a Speculator a request, the costs kept (as `Model.speculate` and spec_bench.py)
+            if args.cold:
+                target, chained, captured = PassCosts(clock=clock), PassCosts(clock=clock), set()
             settings = SpeculativeSettings(draft_max=args.draft_max)
             spec = Speculator(LookupDrafter(), settings, 1 << 20, target, chained)
             reply = item["reply"]
-            result = replay(
-                spec, clock, costs, args.chained, item["prompt"], reply, args.chain_steps
-            )
-            plain = plain_seconds(costs, args.chained, reply, args.chain_steps)
+            plain_captures = 0.0 if r and not args.cold else 2 * args.capture / 1e3
+            result = replay(spec, clock, costs, args.chained, item["prompt"], reply,
+                            args.chain_steps, captured, args.capture)  # fmt: skip
+            plain = plain_seconds(costs, args.chained, reply, args.chain_steps, plain_captures)
             vs_plain = plain / result["seconds"] if result["seconds"] else 1.0
             print(
                 f"{r + 1:>5} {name:<12} {result['tokens']:>6} {vs_plain:>8.2f} "

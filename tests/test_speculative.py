@@ -458,6 +458,22 @@ def test_speculator_stops_drafting_when_drafts_fail_and_keeps_on_when_they_succe
         assert min(late) >= 8
 
 
+def test_a_size_never_run_costs_its_capture_spread_over_the_reply_so_far():
+    """A CUDA graph's capture makes a size's first pass dear (SmolLM2: about 45 ms, 60
+    steps): plans take a size never run only where the reply so far, taken as what is left
+    of it, pays the capture back; a probe of it waits as long."""
+    costs = PassCosts()
+    for seconds in (0.045, 0.001, 0.001):  # the first step: its capture
+        costs.record(1, seconds)
+    assert costs.one_time(1) == 0.0 and costs.one_time(2) == pytest.approx(0.044)
+    offer = [(0.9, 15, 0)]
+    assert plan_drafts(offer, 1, costs, None, horizon=20) == [0]
+    assert plan_drafts(offer, 1, costs, None, horizon=10_000)[0] > 3
+    spec = Speculator(_AlwaysOffers("lookup1"), SpeculativeSettings(), 300, costs)
+    assert not spec._probe_now(Probing(), 0, horizon=20)
+    assert spec._probe_now(Probing(), 0, horizon=1000)
+
+
 def test_steps_without_drafts_chain_ever_longer_up_to_the_next_probe():
     """Where the engine chains greedy steps: after a step that drafts nothing, as many steps
     without drafts may run as the sequence has gone without one (1, 2, 4, then the most),
