@@ -45,6 +45,9 @@ class Backend(ABC):
     # host (run_chain): more than 1 where the host's turn between steps costs something
     # beside a step (a CUDA graph's wait and the Python around it)
     chain_steps: int = 1
+    # whether a decode step's first run at a new size captures it (run_step: a CUDA graph),
+    # a one-time cost of tens of ms that speculation's plans price (PassCosts.one_time)
+    captures_steps: bool = False
     # whether a token's numbers are the same in a pass of any size and company; where not
     # (CUDA: prefill's fp16 products, the tensor-core kernels of a batch), the engine runs a
     # prompt's last token in a pass of its own, as a decode step, so that a request alone

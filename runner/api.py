@@ -90,8 +90,10 @@ class Model:
             context_shift=context_shift, max_queue=max_queue,
         )  # fmt: skip
         self._speculative = SpeculativeSettings(draft_max, draft_min, draft_p_min)
-        self._target_costs = PassCosts()  # a target pass's seconds, shared by every drafter
+        # a target pass's seconds, shared by every drafter
+        self._target_costs = PassCosts(one_time=self.backend.captures_steps)
         self._chained_costs = PassCosts()  # a chained greedy step's (Speculator.quiet_steps)
+        self._acceptance = {}  # drafts' acceptance by drafter label (Speculator.acceptance)
         self.draft_file = None
         self._draft_model = None  # the ModelDrafter, where a draft model was loaded
         if draft is not None:
@@ -126,6 +128,7 @@ class Model:
             self.config.n_vocab,
             self._target_costs,
             self._chained_costs,
+            self._acceptance,
         )
 
     def speculate(self, kind: str | None) -> None:

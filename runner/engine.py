@@ -169,8 +169,11 @@ class Engine:
         self.prompt_tokens = 0  # prompt tokens run (prefix reuse spares the rest)
         self.step_seconds = 0.0  # in steps, of which
         self.pass_seconds = 0.0  # in the model's passes (the rest: scheduling and sampling)
+        self._warmed: set[int] = set()  # checking-pass sizes captured (_warm_checking_passes)
         self._thread = threading.Thread(target=self._loop, name="fastrun-engine", daemon=True)
         self._thread.start()
+        if speculator is not None:
+            self.call(self._warm_checking_passes)
 
     # -- callers (any thread) -------------------------------------------------------------------
 
@@ -215,8 +218,37 @@ class Engine:
             if self._waiting or self._prefilling or self._decoding:
                 raise FastrunError("speculation can change only while no request runs")
             self.speculator = speculator
+            self._warm_checking_passes()
 
         self.call(swap)
+
+    def _warm_checking_passes(self) -> None:
+        """Where the backend captures steps (a CUDA graph a size: about 45 ms of host work,
+        more than a short reply's whole decode), capture a greedy sequence's checking passes
+        of every size its drafts can make now (and its one-token step), before any request, as
+        vLLM captures its batch sizes at start-up: a request then pays no capture that plain
+        decoding does not. A free
+        sequence runs each pass (its tokens meaningless) and is emptied after; on the engine's
+        thread, while no request runs."""
+        spec = self.speculator
+        if spec is None or not self.transformer.backend.captures_steps or not self._free:
+            return
+        cache = self._free[0]
+        sizes = [n for n in range(1, spec.settings.draft_max + 2) if n not in self._warmed]
+        if not sizes:
+            return
+        cache.trim(0)
+        for n in sizes:
+            if n > cache.free_slots:
+                break
+            batch = Batch()
+            batch.add(cache, [0] * n, "all")
+            try:
+                self.transformer.run(batch, self.cells, 1)  # a greedy request's candidates
+            finally:
+                cache.trim(0)
+            self._warmed.add(n)
+            spec.target_costs.warmed(n)
 
     def stats(self) -> dict:
         with self._wake:

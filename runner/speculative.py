@@ -162,7 +162,9 @@ class PassCosts:
     counts as not measured (a load spike then is not its cost for ever): it is priced from
     the fresh sizes, so that a plan tries it again."""
 
-    def __init__(self, unknown: float | None = None, clock=time.perf_counter):
+    def __init__(
+        self, unknown: float | None = None, clock=time.perf_counter, one_time: bool = False
+    ):
         self.seconds: dict[int, float] = {}
         self.measured_at: dict[int, float] = {}
         self.seen: Counter[int] = Counter()
@@ -170,12 +172,19 @@ class PassCosts:
         self.clock = clock
         self.peers: list[PassCosts] = []  # other passes on this machine: its load is theirs
         self.first: dict[int, float] = {}  # seconds of each size's first pass
+        self.captures = one_time  # whether a size's first pass costs once more (one_time)
+
+    def warmed(self, n: int) -> None:
+        """A pass of n tokens was run (and captured) before any was measured: n costs nothing
+        once more, and its first measured pass counts."""
+        self.seen[n] = max(self.seen[n], WARM_UP_PASSES)
 
     def one_time(self, n: int) -> float:
         """Seconds a size never run costs once beyond its pass (a CUDA graph's capture: tens
         of ms, dozens of a small model's steps): the median of what the first passes of the
-        sizes measured since cost beyond their later ones; 0 for a size that ran."""
-        if self.seen[n]:
+        sizes measured since cost beyond their later ones; 0 for a size that ran, and where
+        passes are not captured (a CPU's first pass may be slow for reasons of its own)."""
+        if not self.captures or self.seen[n]:
             return 0.0
         surplus = sorted(
             max(first - self.seconds[m], 0.0)
@@ -719,6 +728,7 @@ class Speculator:
         n_vocab: int,
         target_costs: PassCosts | None = None,
         chained_costs: PassCosts | None = None,
+        acceptance: dict | None = None,
     ):
         self.drafter = drafter
         self.settings = settings
@@ -727,7 +737,9 @@ class Speculator:
         self.target_costs = target_costs if target_costs is not None else PassCosts()
         if drafter.costs is not None:  # one machine: the load slows both models alike
             self.target_costs.share_load(drafter.costs)
-        self.acceptance: dict[str, Acceptance] = {}  # over every sequence, by drafter label
+        # over every sequence, by drafter label (the Model's, kept across drafter switches:
+        # what a label's drafts are worth is learned once for the model)
+        self.acceptance: dict[str, Acceptance] = {} if acceptance is None else acceptance
         self.totals = SpeculativeTotals()
         # seconds of one step of greedy steps chained on the device, by sequences: what a
         # step without drafts costs where the engine can chain them (Backend.chain_steps)

@@ -1,6 +1,7 @@
 """Cold one-shot runs of `fastrun run`, plain decoding against prompt lookup: a fresh process
 each, as a script or a user runs it, so every CUDA graph a reply needs is captured inside it.
-Prints each run's decode seconds (from its first token to its last) and acceptance.
+Prints each run's decode seconds (from its first token to its last), acceptance, and the
+process's wall time (start-up and loading, which lookup's graph captures lengthen, included).
 
     python scripts/spec_cold.py --model smollm2-135m-instruct --backend cuda --repeat 3
 
@@ -14,6 +15,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,11 +40,13 @@ def main() -> int:
                 cmd = [sys.executable, "-c", FASTRUN, "run", args.model, PROMPTS[p], "--chat",
                        "--json", "--temp", "0", "-n", str(args.tokens), "--backend",
                        args.backend] + (["--lookup"] if mode == "lookup" else [])  # fmt: skip
+                started = time.perf_counter()
                 out = subprocess.run(cmd, capture_output=True, text=True)
+                wall = time.perf_counter() - started  # the process's: start-up, load, run
                 if out.returncode:
                     sys.exit(out.stderr[-2000:])
                 timings = json.loads(out.stdout)["timings"]
-                row = {k: timings.get(k) for k in FIELDS}
+                row = {k: timings.get(k) for k in FIELDS} | {"wall_seconds": round(wall, 3)}
                 print(rep, p, mode, json.dumps(row), flush=True)
     return 0
 

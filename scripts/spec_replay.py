@@ -196,19 +196,24 @@ def main() -> int:
     else:
         sys.exit("--model or --replies")
     costs = CostTable(args.costs)
+    captures = args.capture > 0
     clock = Clock()
-    target, chained, captured = PassCosts(clock=clock), PassCosts(clock=clock), set()
+
+    def fresh():  # a process's costs and captured graphs
+        return PassCosts(clock=clock, one_time=captures), PassCosts(clock=clock), set()
+
+    target, chained, captured = fresh()
     print(f"{'round':>5} {'prompt':<12} {'tokens':>6} {'vs plain':>8} {'accepted':>8} "
           f"{'rounds':>6} {'chains':>6} {'plan ms':>7}")  # fmt: skip
     for r in range(args.rounds):
         for name, item in replies.items():
             # a Speculator a request, the costs kept (as `Model.speculate` and spec_bench.py)
             if args.cold:
-                target, chained, captured = PassCosts(clock=clock), PassCosts(clock=clock), set()
+                target, chained, captured = fresh()
             settings = SpeculativeSettings(draft_max=args.draft_max)
             spec = Speculator(LookupDrafter(), settings, 1 << 20, target, chained)
             reply = item["reply"]
-            plain_captures = 0.0 if r and not args.cold else 2 * args.capture / 1e3
+            plain_captures = 0.0 if r and not args.cold else args.capture / 1e3  # the chain's
             result = replay(spec, clock, costs, args.chained, item["prompt"], reply,
                             args.chain_steps, captured, args.capture)  # fmt: skip
             plain = plain_seconds(costs, args.chained, reply, args.chain_steps, plain_captures)

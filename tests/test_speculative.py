@@ -16,6 +16,7 @@ from fastrun.formats import GGUFFile
 from fastrun.formats.errors import FastrunError
 from fastrun.runner import speculative
 from fastrun.runner.api import Model
+from fastrun.runner.batch import MAX_STEP_TOKENS
 from fastrun.runner.models import model_class
 from fastrun.runner.sampling import Sampler, SamplingParams
 from fastrun.runner.speculative import (
@@ -141,6 +142,36 @@ def test_steps_that_draft_nothing_run_chained_as_plain_decoding(
         assert chains[:2] == [2, 4] and stats["rounds"] >= 2  # probes go on between chains
         assert stats["chained_step_ms"]
     assert all(2 <= c <= 4 for c in chains)
+
+
+def test_checking_passes_are_captured_before_any_request(tiny_model, monkeypatch):
+    """Where the backend captures steps (CUDA), switching speculation on runs a checking
+    pass of every size drafts can make and a one-token step, once, on an emptied free
+    sequence, so that no
+    request pays a capture (the CPU captures nothing: patched here); the plans then know
+    those sizes cost nothing once more; output unchanged."""
+    prompt = REPEATING + list(range(40, 60))
+    settings = dict(max_tokens=30, temperature=0)
+    m = Model(tiny_model, backend="cpu", n_ctx=96, parallel=2, draft_max=6)
+    expect = m.complete(prompt, **settings).tokens
+    transformer = m.engine.transformer
+    monkeypatch.setattr(transformer.backend, "captures_steps", True)
+    sizes, run = [], transformer.run
+    monkeypatch.setattr(
+        transformer, "run", lambda b, c, k=0, *a: sizes.append((b.n, k)) or run(b, c, k, *a)
+    )
+    m.speculate("lookup")
+    assert sizes == [(n, 1) for n in range(1, 8)] and m.engine._warmed == set(range(1, 8))
+    assert all(m._target_costs.one_time(n) == 0.0 for n in range(1, 8))
+    lookup = m.engine.speculator
+    m.speculate(None)
+    m.speculate("lookup")  # once for these cells, whose prefixes then stay
+    assert len(sizes) == 7
+    assert m.engine.speculator.acceptance is lookup.acceptance  # learned once for the model
+    done = m.complete(prompt, **settings)
+    m.close()
+    # the least recently used sequence ran them: the other kept the prompt's cells
+    assert done.tokens == expect and done.prefilled_tokens < len(prompt)
 
 
 def test_sequences_that_draft_nothing_chain_together(tiny_model, monkeypatch):
@@ -462,7 +493,8 @@ def test_a_size_never_run_costs_its_capture_spread_over_the_reply_so_far():
     """A CUDA graph's capture makes a size's first pass dear (SmolLM2: about 45 ms, 60
     steps): plans take a size never run only where the reply so far, taken as what is left
     of it, pays the capture back; a probe of it waits as long."""
-    costs = PassCosts()
+    assert PassCosts().one_time(2) == 0.0  # passes not captured (the CPU's)
+    costs = PassCosts(one_time=True)
     for seconds in (0.045, 0.001, 0.001):  # the first step: its capture
         costs.record(1, seconds)
     assert costs.one_time(1) == 0.0 and costs.one_time(2) == pytest.approx(0.044)
@@ -708,6 +740,35 @@ def test_cuda_greedy_speculation_alone_is_plain_decoding(tiny_model, kind):
     m.close()
     assert [c.tokens for c in got] == expect
     assert sum(c.drafted_tokens for c in got) > 0
+
+
+@pytest.mark.gpu
+def test_cuda_lookup_requests_capture_no_checking_pass(tiny_model):
+    """With lookup on, the engine captures a greedy sequence's checking passes of every size
+    before any request: the requests then capture none (a capture costs a short reply more
+    than its whole decode), and their tokens are plain decoding's."""
+    _cuda()
+    from fastrun.backends.cuda.graphs import StepGraph
+
+    greedy = dict(max_tokens=80, temperature=0)  # no banned ids: one candidate, as warmed
+    plain = Model(tiny_model, backend="cuda", n_ctx=256, parallel=1)
+    expect = plain.complete(REPEATING, **greedy).tokens
+    plain.close()
+    m = Model(tiny_model, backend="cuda", n_ctx=256, parallel=1, lookup=True)
+    graphs, cells = m.engine.transformer.backend._graphs, m.engine.cells
+
+    def passes():  # the captured checking passes: steps of 2 tokens or more of these cells
+        return {
+            k for k, g in graphs.items()
+            if type(g) is StepGraph and k[0] == id(cells) and k[2][0] > 1
+        }  # fmt: skip
+
+    warmed = passes()
+    assert len(warmed) == MAX_STEP_TOKENS - 1
+    done = m.complete(REPEATING, **greedy)
+    m.close()
+    assert done.tokens == expect and done.drafted_tokens > 0
+    assert passes() == warmed
 
 
 def _equal_up_to_a_near_tie(model, prompt, tokens, wanted, tie=0.5):

@@ -380,6 +380,7 @@ class CUDABackend(Backend):
     features = frozenset(block.FEATURES)
     chain_steps = CHAIN_STEPS
     batch_invariant = False
+    captures_steps = True
 
     def __init__(self, device: int = 0):
         self.device = device
