@@ -225,11 +225,10 @@ class Engine:
     def _warm_checking_passes(self) -> None:
         """Where the backend captures steps (a CUDA graph a size: about 45 ms of host work,
         more than a short reply's whole decode), capture a greedy sequence's checking passes
-        of every size its drafts can make now (and its one-token step), before any request, as
-        vLLM captures its batch sizes at start-up: a request then pays no capture that plain
-        decoding does not. A free
-        sequence runs each pass (its tokens meaningless) and is emptied after; on the engine's
-        thread, while no request runs."""
+        of every size its drafts can make now, and its one-token step, before any request (as
+        vLLM captures its batch sizes at start-up): a request then pays no capture that plain
+        decoding does not. The least recently used free sequence runs each pass (its tokens
+        meaningless) and is emptied after; on the engine's thread, while no request runs."""
         spec = self.speculator
         if spec is None or not self.transformer.backend.captures_steps or not self._free:
             return

@@ -27,6 +27,12 @@ acceptance is taken as its p_min (it proposes only tokens it is that sure of), l
 ACCEPT_PRIOR. A drafter the plan declines is probed with a one-token draft at once, then
 after a wait that doubles with each probe the plan does not follow, as long as the probe is
 cheap (a draft model far behind would first read all it missed).
+
+Where the backend chains greedy steps on the device (CUDA), steps for which nothing is
+drafted run chained, ever longer as a stretch without drafts goes on (quiet_steps), and
+drafts must beat a chained step. Where it captures each pass size (a CUDA graph), the engine
+captures the checking passes when speculation is switched on; a size not captured that way
+is priced with its capture (PassCosts.one_time), spread over the reply so far.
 """
 
 from __future__ import annotations
