@@ -384,7 +384,7 @@ class Engine:
         if self.speculator is not None and decoding:
             most = self._chain_length(decoding, speculating=True)
             drafts = self.speculator.drafts(decoding, budget, chainable=most > 1)
-            steps = self.speculator.quiet_steps(decoding, most) if not drafts else 1
+            steps = self.speculator.quiet_steps(decoding, most) if most > 1 and not drafts else 1
             if steps > 1:  # none drafts: greedy steps chained, as plain decoding's
                 started = time.perf_counter()
                 if self._run_chain(decoding, steps):

@@ -342,9 +342,10 @@ def plan_drafts(
     capture) is spread: the sequences' tokens so far, as a reply tends to go on about as long
     as it has lasted (a short reply on a fresh process does not pay for captures that a long
     one, or the requests after it, would)."""
-    plain = plain or target.estimate(n_plain)
-    if not plain or not target.estimate(n_plain):
+    step = target.estimate(n_plain)
+    if not step:
         return [0] * len(offers)
+    plain = plain or step
     # drafted tokens in the order of their expected gain; any prefix is a plan
     gains = (
         (min(a, 0.999) ** j, s, j)
@@ -749,7 +750,9 @@ class Speculator:
         self.totals = SpeculativeTotals()
         # seconds of one step of greedy steps chained on the device, by sequences: what a
         # step without drafts costs where the engine can chain them (Backend.chain_steps)
-        self.chained_costs = chained_costs or PassCosts(clock=self.target_costs.clock)
+        if chained_costs is None:
+            chained_costs = PassCosts(clock=self.target_costs.clock)
+        self.chained_costs = chained_costs
         self.target_costs.share_load(self.chained_costs)
 
     @property
